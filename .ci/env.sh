@@ -1,0 +1,48 @@
+# Sourced by tests/run.sh, benchmarks/run.sh and .ci/run: makes .venv (once) with torch, the test
+# and benchmark dependencies and fused_ema built in place, then activates it. Rebuilds only when
+# csrc/, setup.py or pyproject.toml changed. Override: FUSED_EMA_VENV (where), PYTHON (which
+# interpreter), FUSED_EMA_TORCH (the torch requirement, default torch==2.13.0: a CPU build here).
+set -euo pipefail
+FUSED_EMA_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+FUSED_EMA_VENV=${FUSED_EMA_VENV:-$FUSED_EMA_ROOT/.venv}
+
+fused_ema_log() { printf '[fused_ema setup] %s\n' "$*" >&2; }
+
+if [ ! -x "$FUSED_EMA_VENV/bin/python" ]; then
+  fused_ema_log "creating $FUSED_EMA_VENV"
+  "${PYTHON:-python3}" -m venv "$FUSED_EMA_VENV"
+fi
+# shellcheck disable=SC1091
+source "$FUSED_EMA_VENV/bin/activate"
+
+if ! python -c "import torch" >/dev/null 2>&1; then
+  fused_ema_log "installing ${FUSED_EMA_TORCH:-torch==2.13.0}"
+  python -m pip install -q "${FUSED_EMA_TORCH:-torch==2.13.0}"
+fi
+
+# Tools and libraries that never pull in another torch (the EMA peers are pure Python and are
+# installed without their dependencies, torch being the only one).
+fused_ema_requirements="setuptools>=64 wheel ninja pytest hypothesis numpy matplotlib tqdm"
+if ! python -c "import ninja, pytest, hypothesis, numpy, matplotlib, tqdm" >/dev/null 2>&1; then
+  fused_ema_log "installing build, test and benchmark tools"
+  # shellcheck disable=SC2086
+  python -m pip install -q $fused_ema_requirements
+fi
+if ! python -c "import ema_pytorch, torch_ema" >/dev/null 2>&1; then
+  fused_ema_log "installing the EMA libraries compared against (ema-pytorch, torch-ema)"
+  python -m pip install -q --no-deps ema-pytorch torch-ema \
+    || fused_ema_log "could not install ema-pytorch/torch-ema: those comparisons will be skipped"
+fi
+
+fused_ema_stamp() {
+  (cd "$FUSED_EMA_ROOT" && find csrc setup.py pyproject.toml -type f -print0 | sort -z \
+    | xargs -0 sha256sum; python -c "import torch; print(torch.__version__)") | sha256sum | cut -c1-16
+}
+fused_ema_stamp_file="$FUSED_EMA_VENV/.fused_ema_build"
+if [ "$(cat "$fused_ema_stamp_file" 2>/dev/null)" != "$(fused_ema_stamp)" ] \
+    || ! (cd /tmp && python -c "import fused_ema") >/dev/null 2>&1; then
+  fused_ema_log "building fused_ema (pip install --no-build-isolation -e .)"
+  python -m pip install -q --no-build-isolation --no-deps -e "$FUSED_EMA_ROOT"
+  fused_ema_stamp >"$fused_ema_stamp_file"
+fi
+fused_ema_log "ready: $(cd /tmp && python -m fused_ema | tr -d '\n ' | cut -c1-200)"

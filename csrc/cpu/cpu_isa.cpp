@@ -1,0 +1,124 @@
+// CPU feature detection and the process-wide choice of span-kernel table (see cpu_isa.h).
+#include "cpu_isa.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace fused_ema::cpu {
+namespace {
+
+// `table` points at the table pointer so that kIsas is constant-initialised, whatever the order in
+// which the translation units start up.
+struct IsaEntry {
+  const char* name;
+  const SpanKernels* const* table;
+  bool (*cpu_has)();
+};
+
+bool always() { return true; }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// __builtin_cpu_supports also checks that the OS saves the AVX / AVX-512 register state.
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#else
+bool has_avx2() { return false; }
+bool has_avx512() { return false; }
+#endif
+
+const IsaEntry kIsas[] = {
+    {"default", &kDefaultSpanKernels, &always},
+    {"avx2", &kAvx2SpanKernels, &has_avx2},
+    {"avx512", &kAvx512SpanKernels, &has_avx512},
+};
+constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
+
+bool available(int k) { return *kIsas[k].table != nullptr && kIsas[k].cpu_has(); }
+
+int find(const std::string& name) {
+  for (int k = 0; k < kNumIsas; ++k) {
+    if (name == kIsas[k].name) {
+      return k;
+    }
+  }
+  return -1;
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string text;
+  for (const auto& n : names) {
+    text += (text.empty() ? "" : ", ") + n;
+  }
+  return text;
+}
+
+int best_available() {
+  for (int k = kNumIsas - 1; k > 0; --k) {
+    if (available(k)) {
+      return k;
+    }
+  }
+  return 0;
+}
+
+int initial_choice() {
+  const char* requested = std::getenv("FUSED_EMA_CPU_ISA");
+  if (requested == nullptr || *requested == '\0') {
+    return best_available();
+  }
+  const int k = find(requested);
+  if (k >= 0 && available(k)) {
+    return k;
+  }
+  TORCH_WARN("fused_ema: FUSED_EMA_CPU_ISA=", requested, " is not available here (available: ",
+             join(available_isas()), "); using ", kIsas[best_available()].name);
+  return best_available();
+}
+
+std::atomic<int>& choice() {
+  static std::atomic<int> value{initial_choice()};
+  return value;
+}
+
+}  // namespace
+
+std::vector<std::string> compiled_isas() {
+  std::vector<std::string> names;
+  for (const auto& isa : kIsas) {
+    if (*isa.table != nullptr) {
+      names.emplace_back(isa.name);
+    }
+  }
+  return names;
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (int k = 0; k < kNumIsas; ++k) {
+    if (available(k)) {
+      names.emplace_back(kIsas[k].name);
+    }
+  }
+  return names;
+}
+
+std::string active_isa() { return kIsas[choice().load()].name; }
+
+void set_active_isa(const std::string& isa) {
+  const int k = find(isa);
+  TORCH_CHECK_VALUE(k >= 0 && available(k), "fused_ema: CPU instruction set '", isa,
+                    "' is not available here; available: ", join(available_isas()));
+  choice().store(k);
+}
+
+const SpanKernels& active_span_kernels() { return **kIsas[choice().load()].table; }
+
+}  // namespace fused_ema::cpu

@@ -1,0 +1,54 @@
+// CPU kernel of fused_ema::lerp_. All pairs form one flat range of elements and a single
+// at::parallel_for splits it evenly, so 20,000 small tensors cost one parallel region, and a
+// thread's share may start in one tensor and end in another.
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../lerp_op.h"
+#include "cpu_isa.h"
+
+namespace fused_ema::cpu {
+namespace {
+
+// Elements under which the update stays on the calling thread (ATen's GRAIN_SIZE).
+constexpr int64_t kGrainSize = 32768;
+
+void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
+  // lerp_op.cpp hands a CPU plan only host weights (a CPU tensor weight is read there).
+  TORCH_INTERNAL_ASSERT(weight.device_tensor == nullptr);
+  const std::vector<FlatPair>& pairs = plan.pairs;
+  if (!pairs.empty()) {
+    const SpanKernels& kernels = active_span_kernels();
+    std::vector<int64_t> offsets(pairs.size() + 1, 0);
+    for (size_t p = 0; p < pairs.size(); ++p) {
+      offsets[p + 1] = offsets[p] + pairs[p].numel;
+    }
+    at::parallel_for(0, offsets.back(), kGrainSize, [&](int64_t begin, int64_t end) {
+      auto p = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
+                                   offsets.begin() - 1);
+      for (int64_t pos = begin; pos < end; ++p) {
+        const FlatPair& pair = pairs[p];
+        const int64_t stop = std::min(end, offsets[p + 1]);
+        kernels.fn[static_cast<int>(pair.kind)](pair.ema, pair.src, pos - offsets[p],
+                                                stop - offsets[p], weight.value);
+        pos = stop;
+      }
+    });
+  }
+  plan.finish();
+}
+
+[[maybe_unused]] const bool kRegistered = register_device_runner(c10::DeviceType::CPU, &run_plan);
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ema, CPU, m) {
+  m.impl("lerp_", &lerp_op);
+  m.impl("lerp_.Tensor", &lerp_op_tensor_weight);
+}
+
+}  // namespace fused_ema::cpu

@@ -1,0 +1,106 @@
+// The CPU span kernels, written once and compiled per instruction set by lerp_span_*.cpp. Every
+// path computes PyTorch's lerp, fma(coeff, src - ema, base), in float (double for float64), so
+// the vector body, the scalar tail and every instruction set agree bit for bit.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "span_kernels.h"
+
+namespace fused_ema::cpu {
+inline namespace CPU_CAPABILITY {
+
+template <typename T>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define FUSED_EMA_VECTORIZED 1
+using at::vec::Vectorized;
+
+// Two opmath vectors' worth of elements, converted from/to 16-bit floats on the way.
+template <typename T>
+inline void load2(const T* p, Vectorized<T>& a, Vectorized<T>& b) {
+  a = Vectorized<T>::loadu(p);
+  b = Vectorized<T>::loadu(p + Vectorized<T>::size());
+}
+inline void load2(const c10::BFloat16* p, Vectorized<float>& a, Vectorized<float>& b) {
+  std::tie(a, b) = at::vec::convert_bfloat16_float(Vectorized<c10::BFloat16>::loadu(p));
+}
+inline void load2(const c10::Half* p, Vectorized<float>& a, Vectorized<float>& b) {
+  std::tie(a, b) = at::vec::convert_half_float(Vectorized<c10::Half>::loadu(p));
+}
+
+template <typename T>
+inline void store2(T* p, const Vectorized<T>& a, const Vectorized<T>& b) {
+  a.store(p);
+  b.store(p + Vectorized<T>::size());
+}
+inline void store2(c10::BFloat16* p, const Vectorized<float>& a, const Vectorized<float>& b) {
+  at::vec::convert_float_bfloat16(a, b).store(p);
+}
+inline void store2(c10::Half* p, const Vectorized<float>& a, const Vectorized<float>& b) {
+  at::vec::convert_float_half(a, b).store(p);
+}
+#endif
+
+// base is ema for a small weight and src otherwise (coeff = w or w - 1): PyTorch's choice, exact
+// at both ends of [0, 1].
+template <typename E, typename S, bool kSmallWeight>
+void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff) {
+  using opmath_t = typename OpMath<E>::type;
+  int64_t i = 0;
+#ifdef FUSED_EMA_VECTORIZED
+  using Vec = Vectorized<opmath_t>;
+  constexpr int64_t kStep = 2 * Vec::size();
+  const Vec vcoeff(coeff);
+  for (; i + kStep <= n; i += kStep) {
+    Vec e0, e1, s0, s1;
+    load2(ema + i, e0, e1);
+    load2(src + i, s0, s1);
+    const Vec r0 = at::vec::fmadd(vcoeff, s0 - e0, kSmallWeight ? e0 : s0);
+    const Vec r1 = at::vec::fmadd(vcoeff, s1 - e1, kSmallWeight ? e1 : s1);
+    store2(ema + i, r0, r1);
+  }
+#endif
+  for (; i < n; ++i) {
+    const opmath_t e = static_cast<opmath_t>(ema[i]);
+    const opmath_t s = static_cast<opmath_t>(src[i]);
+    ema[i] = static_cast<E>(std::fma(coeff, s - e, kSmallWeight ? e : s));
+  }
+}
+
+template <typename E, typename S>
+void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, double weight) {
+  using opmath_t = typename OpMath<E>::type;
+  const auto w = static_cast<opmath_t>(weight);
+  E* e = static_cast<E*>(ema) + begin;
+  const S* s = static_cast<const S*>(src) + begin;
+  if (std::abs(w) < opmath_t(0.5)) {
+    lerp_range<E, S, true>(e, s, end - begin, w);
+  } else {
+    lerp_range<E, S, false>(e, s, end - begin, w - opmath_t(1));
+  }
+}
+
+// In PairKind order.
+constexpr SpanKernels make_span_kernels(const char* isa) {
+  return {isa,
+          {&lerp_span<float, float>, &lerp_span<float, c10::BFloat16>,
+           &lerp_span<float, c10::Half>, &lerp_span<c10::BFloat16, c10::BFloat16>,
+           &lerp_span<c10::Half, c10::Half>, &lerp_span<double, double>}};
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fused_ema::cpu

@@ -1,0 +1,25 @@
+// The table of per-dtype-pair CPU span kernels. lerp_span.h fills one table per instruction set
+// (lerp_span_{default,avx2,avx512}.cpp); cpu_isa.cpp picks the table at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "../dtype_pairs.h"
+
+namespace fused_ema::cpu {
+
+// Updates ema[begin:end] of one dense pair in place; `weight` is rounded once to the opmath type.
+using SpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, double weight);
+
+struct SpanKernels {
+  const char* isa;
+  SpanFn fn[kNumPairKinds];  // indexed by PairKind
+};
+
+// Constant-initialised, so reading them runs no code compiled for another instruction set.
+// The AVX tables are null where the compiler could not build them.
+extern const SpanKernels* const kDefaultSpanKernels;
+extern const SpanKernels* const kAvx2SpanKernels;
+extern const SpanKernels* const kAvx512SpanKernels;
+
+}  // namespace fused_ema::cpu

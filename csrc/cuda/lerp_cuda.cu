@@ -1,0 +1,79 @@
+// CUDA kernel of fused_ema::lerp_: the torch glue around multi_tensor_apply. A device's pairs are
+// grouped by dtype pair and each group goes out in as few launches as the kernel-parameter
+// metadata allows, on the current stream of that device.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <vector>
+
+#include "../lerp_op.h"
+#include "lerp_functor.cuh"
+
+namespace fused_ema::cuda {
+namespace {
+
+using Launcher = cudaError_t (*)(const TensorRef*, int64_t, WeightArg, cudaStream_t);
+
+// In PairKind order.
+constexpr std::array<Launcher, kNumPairKinds> kLaunchers = {
+    &launch_lerp<float, float>,
+    &launch_lerp<float, __nv_bfloat16>,
+    &launch_lerp<float, __half>,
+    &launch_lerp<__nv_bfloat16, __nv_bfloat16>,
+    &launch_lerp<__half, __half>,
+    &launch_lerp<double, double>,
+};
+
+WeightArg weight_arg(const LerpWeight& weight) {
+  WeightArg arg{weight.value, nullptr, nullptr};
+  if (const at::Tensor* t = weight.device_tensor) {
+    if (t->scalar_type() == at::kFloat) {
+      arg.f32 = t->const_data_ptr<float>();
+    } else {
+      arg.f64 = t->const_data_ptr<double>();
+    }
+  }
+  return arg;
+}
+
+void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(plan.device.index()).stream();
+  std::array<std::vector<TensorRef>, kNumPairKinds> groups;
+  for (const FlatPair& pair : plan.pairs) {
+    groups[static_cast<size_t>(pair.kind)].push_back({pair.ema, pair.src, pair.numel});
+  }
+  const WeightArg arg = weight_arg(weight);
+  for (size_t kind = 0; kind < groups.size(); ++kind) {
+    if (!groups[kind].empty()) {
+      C10_CUDA_CHECK(kLaunchers[kind](groups[kind].data(),
+                                      static_cast<int64_t>(groups[kind].size()), arg, stream));
+    }
+  }
+  plan.finish();
+}
+
+[[maybe_unused]] const bool kRegistered = register_device_runner(c10::DeviceType::CUDA, &run_plan);
+
+}  // namespace
+
+// The architectures this file was compiled for, as nvcc lists them (800, 900, ...).
+std::vector<int> compiled_archs() {
+#ifdef __CUDA_ARCH_LIST__
+  return {__CUDA_ARCH_LIST__};
+#else
+  return {};
+#endif
+}
+
+int cuda_version_built() { return CUDART_VERSION; }
+
+TORCH_LIBRARY_IMPL(fused_ema, CUDA, m) {
+  m.impl("lerp_", &lerp_op);
+  m.impl("lerp_.Tensor", &lerp_op_tensor_weight);
+}
+
+}  // namespace fused_ema::cuda

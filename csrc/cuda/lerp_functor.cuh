@@ -1,0 +1,81 @@
+// The lerp functor for multi_tensor_apply: PyTorch's formula in float (double for float64) for
+// each (ema, src) dtype pair, 16-bit sources converted in registers (no temporary copy).
+// Needs no torch headers, so tests can compile it with plain nvcc.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "multi_tensor_apply.cuh"
+
+namespace fused_ema::cuda {
+
+// A host-known weight, or a device pointer the kernel reads (no sync, CUDA-graph capturable).
+struct WeightArg {
+  double value;
+  const float* f32;
+  const double* f64;
+
+  __device__ double read() const { return f64 != nullptr ? *f64 : f32 != nullptr ? *f32 : value; }
+};
+
+template <typename T>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+
+__device__ inline float to_opmath(float x) { return x; }
+__device__ inline double to_opmath(double x) { return x; }
+__device__ inline float to_opmath(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline float to_opmath(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ T from_opmath(typename OpMath<T>::type x);
+template <>
+__device__ inline float from_opmath<float>(float x) { return x; }
+template <>
+__device__ inline double from_opmath<double>(double x) { return x; }
+template <>
+__device__ inline __nv_bfloat16 from_opmath<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ inline __half from_opmath<__half>(float x) { return __float2half_rn(x); }
+
+template <typename E, typename S>
+struct LerpOp {
+  using ema_t = E;
+  using src_t = S;
+  using opmath_t = typename OpMath<E>::type;
+  static constexpr int kPack = 16 / (sizeof(E) < sizeof(S) ? sizeof(E) : sizeof(S));
+
+  WeightArg weight;
+
+  // coeff = w and base = ema for |w| < 0.5, else coeff = w - 1 and base = src: PyTorch's
+  // choice, exact at both ends of [0, 1].
+  struct Bound {
+    opmath_t coeff;
+    bool small;
+    __device__ E operator()(E e_in, S s_in) const {
+      const opmath_t e = to_opmath(e_in);
+      const opmath_t s = to_opmath(s_in);
+      return from_opmath<E>(fma(coeff, s - e, small ? e : s));
+    }
+  };
+
+  __device__ Bound bind() const {
+    const auto w = static_cast<opmath_t>(weight.read());
+    const bool small = fabs(w) < opmath_t(0.5);
+    return {small ? w : w - opmath_t(1), small};
+  }
+};
+
+template <typename E, typename S>
+cudaError_t launch_lerp(const TensorRef* refs, int64_t count, WeightArg weight,
+                        cudaStream_t stream) {
+  return multi_tensor_apply(refs, count, LerpOp<E, S>{weight}, stream);
+}
+
+}  // namespace fused_ema::cuda

@@ -1,0 +1,114 @@
+// Declares the fused_ema operators, and the Python module fused_ema._C whose import loads this
+// library (kernels register themselves from cpu/ and cuda/) and reports how it was built.
+#include <Python.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include <string>
+#include <vector>
+
+#include "cpu/cpu_isa.h"
+#include "lerp_op.h"
+
+#ifndef FUSED_EMA_WITH_CUDA
+#define FUSED_EMA_WITH_CUDA 0
+#endif
+
+#if FUSED_EMA_WITH_CUDA
+namespace fused_ema::cuda {
+std::vector<int> compiled_archs();  // __CUDA_ARCH_LIST__ (800, 900, ...), cuda/lerp_cuda.cu
+int cuda_version_built();
+}  // namespace fused_ema::cuda
+#endif
+
+namespace fused_ema {
+PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_path.cpp
+}  // namespace fused_ema
+
+TORCH_LIBRARY(fused_ema, m) {
+  m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, float weight) -> ()");
+  m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
+}
+
+namespace {
+
+PyObject* string_tuple(const std::vector<std::string>& items) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+  for (size_t k = 0; tuple != nullptr && k < items.size(); ++k) {
+    PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(k), PyUnicode_FromString(items[k].c_str()));
+  }
+  return tuple;
+}
+
+PyObject* devices_with_kernels(PyObject*, PyObject*) {
+  return string_tuple(fused_ema::devices_with_kernels());
+}
+
+PyObject* cpu_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(fused_ema::cpu::active_isa().c_str());
+}
+
+PyObject* available_cpu_isas(PyObject*, PyObject*) {
+  return string_tuple(fused_ema::cpu::available_isas());
+}
+
+PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) {
+    return nullptr;
+  }
+  try {
+    fused_ema::cpu::set_active_isa(name);
+  } catch (const c10::Error& err) {
+    PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"devices_with_kernels", devices_with_kernels, METH_NOARGS,
+     "Device types this build has lerp kernels for."},
+    {"cpu_isa", cpu_isa, METH_NOARGS, "The CPU instruction set the kernels use now."},
+    {"available_cpu_isas", available_cpu_isas, METH_NOARGS,
+     "Instruction sets compiled in and supported by this CPU."},
+    {"set_cpu_isa", set_cpu_isa, METH_O, "Select the CPU instruction set by name."},
+    {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
+     "lerp_(ema: list, src: list, weight: float | Tensor) on plain tensors without the "
+     "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "fused_ema's compiled kernels", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C() {
+  PyObject* module = PyModule_Create(&kModule);
+  if (module == nullptr) {
+    return nullptr;
+  }
+  PyModule_AddStringConstant(module, "TORCH_VERSION_BUILT",
+                             (std::to_string(TORCH_VERSION_MAJOR) + "." +
+                              std::to_string(TORCH_VERSION_MINOR) + "." +
+                              std::to_string(TORCH_VERSION_PATCH))
+                                 .c_str());
+  PyModule_AddObject(module, "COMPILED_CPU_ISAS", string_tuple(fused_ema::cpu::compiled_isas()));
+  PyModule_AddIntConstant(module, "WITH_CUDA", FUSED_EMA_WITH_CUDA);
+#if FUSED_EMA_WITH_CUDA
+  std::vector<std::string> archs;
+  for (int arch : fused_ema::cuda::compiled_archs()) {
+    archs.push_back(std::to_string(arch / 100) + "." + std::to_string(arch % 100 / 10));
+  }
+  PyModule_AddObject(module, "CUDA_ARCHS", string_tuple(archs));
+  const int version = fused_ema::cuda::cuda_version_built();
+  PyModule_AddStringConstant(
+      module, "CUDA_VERSION_BUILT",
+      (std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10)).c_str());
+#else
+  PyModule_AddObject(module, "CUDA_ARCHS", PyTuple_New(0));
+  Py_INCREF(Py_None);
+  PyModule_AddObject(module, "CUDA_VERSION_BUILT", Py_None);
+#endif
+  return module;
+}

@@ -1,0 +1,38 @@
+// The device-independent driver of fused_ema::lerp_: plan the pairs (lerp_plan.h), then hand each
+// device's pairs to the runner that device's kernel registered. Both the dispatcher kernels and
+// the Python fast path (python_fast_path.cpp) enter here, so their behaviour cannot drift apart.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+
+#include <string>
+#include <vector>
+
+#include "lerp_plan.h"
+
+namespace fused_ema {
+
+// The weight as a runner receives it: a value known on the host, or a tensor on a device that
+// the kernel reads itself (no host sync; capturable in a CUDA graph).
+struct LerpWeight {
+  double value = 0.0;
+  const at::Tensor* device_tensor = nullptr;
+};
+
+using DeviceRunner = void (*)(const DevicePlan& plan, const LerpWeight& weight);
+
+// Called from static initialisers of cpu/ and cuda/; returns true so it can initialise a flag.
+bool register_device_runner(c10::DeviceType type, DeviceRunner runner);
+
+// "cpu", "cuda": the device types this build has kernels for.
+std::vector<std::string> devices_with_kernels();
+
+void lerp(TensorRefs ema, TensorRefs src, double weight);
+void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight);
+
+// The signatures the dispatcher calls (schema in fused_ema.cpp).
+void lerp_op(at::TensorList ema, at::TensorList src, double weight);
+void lerp_op_tensor_weight(at::TensorList ema, at::TensorList src, const at::Tensor& weight);
+
+}  // namespace fused_ema

@@ -1,0 +1,211 @@
+// Validation and flattening of fused_ema::lerp_ arguments, shared by every device. One pass over
+// the tensors touches each one's metadata once (with prefetch: after a large update it has left
+// the cache), then one sort of address ranges and a linear sweep find any memory overlap.
+#include "lerp_plan.h"
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace fused_ema {
+namespace {
+
+constexpr const char* kOp = "fused_ema.lerp_: ";
+
+// How many tensors ahead the metadata of the next ones is prefetched.
+constexpr size_t kPrefetchAhead = 8;
+
+struct Interval {
+  uintptr_t lo;
+  uintptr_t hi;
+  int64_t index;
+};
+
+// Bytes from the lowest to one past the highest element; PyTorch strides are never negative.
+Interval memory_interval(const at::Tensor& t, const void* data, bool contiguous, int64_t index) {
+  int64_t extent = 1;
+  if (contiguous) {
+    extent = t.numel();
+  } else {
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      extent += (t.size(d) - 1) * t.stride(d);
+    }
+  }
+  const auto lo = reinterpret_cast<uintptr_t>(data);
+  return {lo, lo + static_cast<uintptr_t>(extent * t.element_size()), index};
+}
+
+void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i) {
+  TORCH_CHECK(e.defined(), kOp, "ema[", i, "] is an undefined tensor");
+  TORCH_CHECK(s.defined(), kOp, "src[", i, "] is an undefined tensor");
+  TORCH_CHECK(s.device() == e.device(), kOp, "src[", i, "] is on ", s.device(), " but ema[", i,
+              "] is on ", e.device(),
+              "; each pair must share a device (move src to the EMA's device first, as "
+              "fused_ema.ModelEma does)");
+  TORCH_CHECK_VALUE(e.layout() == c10::kStrided && s.layout() == c10::kStrided, kOp, "ema[", i,
+                    "] and src[", i, "] must be dense (strided) tensors, got layouts ", e.layout(),
+                    " and ", s.layout());
+  const auto et = e.scalar_type();
+  const auto st = s.scalar_type();
+  TORCH_CHECK_VALUE(at::isFloatingType(et), kOp, "ema[", i, "] has dtype ", dtype_name(et),
+                    "; only floating-point tensors can be averaged");
+  TORCH_CHECK_VALUE(at::isFloatingType(st), kOp, "src[", i, "] has dtype ", dtype_name(st),
+                    "; only floating-point tensors can be averaged");
+  TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), kOp, "unsupported dtype pair at index ", i,
+                    ": ema ", dtype_name(et), ", src ", dtype_name(st),
+                    "; supported (ema, src) pairs: ", supported_pairs_text());
+  TORCH_CHECK_VALUE(e.sizes() == s.sizes(), kOp, "src[", i, "] has shape ", s.sizes(),
+                    " but ema[", i, "] has shape ", e.sizes());
+  TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
+              "] has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
+              "be updated in place");
+  TORCH_CHECK(!(e.requires_grad() && c10::GradMode::is_enabled()), kOp, "ema[", i,
+              "] requires grad and grad mode is on; the EMA update is not differentiable, so "
+              "call it under torch.no_grad()");
+  TORCH_CHECK(!e.is_inference() || c10::InferenceMode::is_enabled(), kOp, "ema[", i,
+              "] is an inference tensor, which cannot be updated in place outside "
+              "torch.inference_mode(); clone it first");
+}
+
+bool dense_pair(const at::Tensor& e, const at::Tensor& s, bool e_contiguous, bool s_contiguous) {
+  return (e_contiguous && s_contiguous) ||
+         (e.is_non_overlapping_and_dense() && s.strides() == e.strides());
+}
+
+// A pair whose layouts do not line up: compute through contiguous stand-ins.
+void add_stand_in_pair(DevicePlan& plan, const at::Tensor& e, const at::Tensor& s) {
+  const PairKind kind = *pair_kind(e.scalar_type(), s.scalar_type());
+  const int64_t n = e.numel();
+  if (e.is_non_overlapping_and_dense()) {
+    // A permuted but dense ema is updated where it lies; src is laid out to match it.
+    at::Tensor matched = at::empty_strided(e.sizes(), e.strides(), s.options());
+    matched.copy_(s);
+    plan.pairs.push_back({e.mutable_data_ptr(), matched.const_data_ptr(), n, kind});
+    plan.stand_ins.push_back(std::move(matched));
+  } else {
+    // An ema with gaps (a strided slice): compute in a dense copy, then write it back.
+    at::Tensor dense_ema = e.contiguous();
+    at::Tensor dense_src = s.contiguous();
+    plan.pairs.push_back({dense_ema.mutable_data_ptr(), dense_src.const_data_ptr(), n, kind});
+    plan.write_backs.emplace_back(e, dense_ema);
+    plan.stand_ins.push_back(std::move(dense_src));
+  }
+}
+
+// ema tensors must not share memory with each other, nor with any src (a src read after another
+// pair wrote it would make the result depend on thread timing).
+void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
+  const auto by_lo = [](const Interval& a, const Interval& b) { return a.lo < b.lo; };
+  if (!std::is_sorted(emas.begin(), emas.end(), by_lo)) {
+    std::sort(emas.begin(), emas.end(), by_lo);
+  }
+  for (size_t k = 1; k < emas.size(); ++k) {
+    const Interval& a = emas[k - 1];
+    const Interval& b = emas[k];
+    TORCH_CHECK(b.lo >= a.hi, kOp, "ema[", std::min(a.index, b.index), "] and ema[",
+                std::max(a.index, b.index),
+                "] share memory; every EMA tensor must own its memory");
+  }
+  if (!std::is_sorted(srcs.begin(), srcs.end(), by_lo)) {
+    std::sort(srcs.begin(), srcs.end(), by_lo);
+  }
+  size_t k = 0;
+  for (const Interval& s : srcs) {
+    while (k < emas.size() && emas[k].hi <= s.lo) {
+      ++k;
+    }
+    if (k < emas.size() && emas[k].lo < s.hi) {
+      const int64_t j = emas[k].index;
+      TORCH_CHECK(j != s.index, kOp, "src[", s.index, "] aliases ema[", j,
+                  "] (they share memory); src must be a different tensor");
+      TORCH_CHECK(false, kOp, "src[", s.index, "] shares memory with ema[", j,
+                  "]; the update would read values it is writing");
+    }
+  }
+}
+
+// Per device: the plan under construction, the address ranges, and the pairs left for stand-ins.
+struct DeviceWork {
+  explicit DeviceWork(c10::Device d) : plan(d) {}
+  DevicePlan plan;
+  std::vector<Interval> ema_ranges;
+  std::vector<Interval> src_ranges;
+  std::vector<int64_t> needs_stand_in;
+};
+
+}  // namespace
+
+void DevicePlan::finish() const {
+  for (const auto& [target, computed] : write_backs) {
+    target.copy_(computed);
+  }
+}
+
+std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
+  TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(),
+                    " tensors but src has ", src.size());
+  const size_t count = ema.size();
+  std::vector<DeviceWork> work;
+  size_t current = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (i + kPrefetchAhead < count) {
+      __builtin_prefetch(ema[i + kPrefetchAhead]->unsafeGetTensorImpl());
+      __builtin_prefetch(src[i + kPrefetchAhead]->unsafeGetTensorImpl());
+    }
+    const at::Tensor& e = *ema[i];
+    const at::Tensor& s = *src[i];
+    const auto index = static_cast<int64_t>(i);
+    check_pair(e, s, index);
+    if (work.empty() || work[current].plan.device != e.device()) {
+      const auto found = std::find_if(work.begin(), work.end(),
+                                      [&](const DeviceWork& w) { return w.plan.device == e.device(); });
+      current = static_cast<size_t>(found - work.begin());
+      if (found == work.end()) {
+        work.emplace_back(e.device());
+        work.back().plan.pairs.reserve(count);
+        work.back().ema_ranges.reserve(count);
+        work.back().src_ranges.reserve(count);
+      }
+    }
+    const int64_t n = e.numel();
+    if (n == 0) {
+      continue;
+    }
+    DeviceWork& w = work[current];
+    const bool e_contiguous = e.is_contiguous();
+    const bool s_contiguous = s.is_contiguous();
+    void* e_data = e.mutable_data_ptr();
+    const void* s_data = s.const_data_ptr();
+    w.ema_ranges.push_back(memory_interval(e, e_data, e_contiguous, index));
+    w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
+    if (dense_pair(e, s, e_contiguous, s_contiguous)) {
+      w.plan.pairs.push_back({e_data, s_data, n, *pair_kind(e.scalar_type(), s.scalar_type())});
+    } else {
+      w.needs_stand_in.push_back(index);
+    }
+  }
+  for (DeviceWork& w : work) {
+    check_overlap(w.ema_ranges, w.src_ranges);
+  }
+
+  // Every check has passed: only now may stand-ins be made and versions move.
+  std::vector<DevicePlan> plans;
+  plans.reserve(work.size());
+  for (DeviceWork& w : work) {
+    for (const int64_t i : w.needs_stand_in) {
+      add_stand_in_pair(w.plan, *ema[i], *src[i]);
+    }
+    plans.push_back(std::move(w.plan));
+  }
+  for (size_t i = 0; i < count; ++i) {
+    ema[i]->unsafeGetTensorImpl()->bump_version();
+  }
+  return plans;
+}
+
+}  // namespace fused_ema

@@ -1,0 +1,145 @@
+"""The fused multi-tensor lerp: its Python entry point, the fake kernel that lets torch.compile
+trace it, and build/CPU-path introspection. The checks that need every tensor run in C++
+(csrc/lerp_plan.cpp), so a 20,000-tensor list costs no Python loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+from ._loader import _C
+from ._version import __version__
+
+#: (ema dtype, src dtype) pairs the kernels support; a float32 EMA may follow a 16-bit model.
+SUPPORTED_DTYPE_PAIRS = (
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float64, torch.float64),
+)
+
+Weight = Union[float, torch.Tensor]
+
+
+def lerp_(
+    ema_tensors: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor], weight: Weight
+) -> None:
+    """In place, for every i: ``ema[i] += weight * (src[i] - ema[i])``, fused.
+
+    One call updates any number of tensors: one parallel region on the CPU, one kernel launch
+    per metadata batch and dtype pair on a GPU. A list may span devices and dtype pairs (see
+    ``SUPPORTED_DTYPE_PAIRS``); each ``src[i]`` must be on the device of ``ema[i]`` and have its
+    shape. ``weight`` is a float or a one-element float32/float64 tensor on the EMA's device (or
+    the CPU), read by the kernel itself: no host sync, capturable in a CUDA graph. Results follow
+    PyTorch's lerp formula in float (double for float64) and match ``torch._foreach_lerp_`` bit
+    for bit on the CPU for same-dtype pairs. Bad input raises before anything is written.
+    """
+    ema = _tensor_list(ema_tensors, "ema_tensors")
+    src = _tensor_list(src_tensors, "src_tensors")
+    if len(ema) != len(src):
+        raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
+    if isinstance(weight, torch.Tensor):
+        op = torch.ops.fused_ema.lerp_.Tensor
+    elif isinstance(weight, (float, int)) and not isinstance(weight, bool):
+        op, weight = torch.ops.fused_ema.lerp_.default, float(weight)
+    else:
+        raise TypeError(
+            f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {type(weight).__name__}"
+        )
+    if not ema:
+        return
+    # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver);
+    # anything the dispatcher must see (compile, modes, subclasses) goes through torch.ops.
+    if not torch.compiler.is_compiling() and _C._lerp_eager(ema, src, weight):
+        return
+    try:
+        op(ema, src, weight)
+    except NotImplementedError as err:
+        raise NotImplementedError(_missing_kernel_message(ema, src)) from err
+
+
+def _tensor_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(f"fused_ema.lerp_: {name} must be a sequence of tensors, not a tensor")
+    tensors = tensors if isinstance(tensors, list) else list(tensors)
+    return tensors
+
+
+def _missing_kernel_message(ema: list[torch.Tensor], src: list[torch.Tensor]) -> str:
+    devices = sorted({str(t.device) for t in ema + src})
+    return (
+        f"fused_ema.lerp_: no fused_ema kernel for the devices {devices}; this build has "
+        f"kernels for {', '.join(_C.devices_with_kernels())}. For CUDA, rebuild "
+        "with a CUDA torch and nvcc: FUSED_EMA_FORCE_CUDA=1 pip install --no-build-isolation ."
+    )
+
+
+@torch.library.register_fake("fused_ema::lerp_")
+def _lerp_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: float) -> None:
+    _check_fake(ema, src)
+
+
+@torch.library.register_fake("fused_ema::lerp_.Tensor")
+def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: torch.Tensor):
+    _check_fake(ema, src)
+    if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
+        raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
+
+
+def _check_fake(ema: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """The metadata half of the C++ checks, so traced programs fail where eager ones would."""
+    if len(ema) != len(src):
+        raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
+    for i, (e, s) in enumerate(zip(ema, src)):
+        if e.device != s.device:
+            raise RuntimeError(
+                f"fused_ema.lerp_: src[{i}] is on {s.device} but ema[{i}] is on {e.device}"
+            )
+        if (e.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
+            raise ValueError(
+                f"fused_ema.lerp_: unsupported dtype pair at index {i}: ema {e.dtype}, "
+                f"src {s.dtype}"
+            )
+        if e.shape != s.shape:
+            raise ValueError(
+                f"fused_ema.lerp_: src[{i}] has shape {list(s.shape)} but ema[{i}] has shape "
+                f"{list(e.shape)}"
+            )
+
+
+def build_info() -> dict:
+    """What this installation compiled and runs: versions, kernels, CPU paths, CUDA archs."""
+    kernels = _C.devices_with_kernels()
+    return {
+        "version": __version__,
+        "torch_version": torch.__version__,
+        "torch_version_built": _C.TORCH_VERSION_BUILT,
+        "cpu_kernel": "cpu" in kernels,
+        "cpu_isas_compiled": list(_C.COMPILED_CPU_ISAS),
+        "cpu_isas_available": list(_C.available_cpu_isas()),
+        "cpu_isa": _C.cpu_isa(),
+        "cuda_kernel": "cuda" in kernels,
+        "cuda_archs": list(_C.CUDA_ARCHS),
+        "cuda_version_built": _C.CUDA_VERSION_BUILT,
+        "cuda_available": torch.cuda.is_available(),
+    }
+
+
+def cpu_isa() -> str:
+    """The CPU instruction set the kernels use now: "avx512", "avx2" or "default"."""
+    return _C.cpu_isa()
+
+
+def set_cpu_isa(isa: str) -> str:
+    """Selects the CPU instruction set for later calls and returns the previous one.
+
+    The initial choice is the best this CPU and build support, or ``FUSED_EMA_CPU_ISA``. Every
+    path gives bit-identical results; this exists to check that, and to compare their speed.
+    """
+    previous = _C.cpu_isa()
+    _C.set_cpu_isa(isa)
+    return previous

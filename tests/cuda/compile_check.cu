@@ -1,0 +1,18 @@
+// Instantiates every CUDA kernel of fused_ema without torch headers, so that tests can check the
+// device code compiles for each target architecture with plain nvcc (see test_cuda_compile.py).
+#include "cuda/lerp_functor.cuh"
+
+namespace fc = fused_ema::cuda;
+
+template cudaError_t fc::launch_lerp<float, float>(const fc::TensorRef*, int64_t, fc::WeightArg,
+                                                   cudaStream_t);
+template cudaError_t fc::launch_lerp<float, __nv_bfloat16>(const fc::TensorRef*, int64_t,
+                                                           fc::WeightArg, cudaStream_t);
+template cudaError_t fc::launch_lerp<float, __half>(const fc::TensorRef*, int64_t, fc::WeightArg,
+                                                    cudaStream_t);
+template cudaError_t fc::launch_lerp<__nv_bfloat16, __nv_bfloat16>(const fc::TensorRef*, int64_t,
+                                                                   fc::WeightArg, cudaStream_t);
+template cudaError_t fc::launch_lerp<__half, __half>(const fc::TensorRef*, int64_t, fc::WeightArg,
+                                                     cudaStream_t);
+template cudaError_t fc::launch_lerp<double, double>(const fc::TensorRef*, int64_t, fc::WeightArg,
+                                                     cudaStream_t);

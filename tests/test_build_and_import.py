@@ -1,0 +1,52 @@
+"""build_info() reports what was compiled; importing fused_ema without its compiled kernels
+fails with an ImportError that says how to build, never with a silent fallback."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import fused_ema
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_build_info_reports_the_compiled_kernels():
+    info = fused_ema.build_info()
+    assert info["version"] == fused_ema.__version__
+    assert info["torch_version"] == torch.__version__
+    assert info["cpu_kernel"] is True
+    assert info["cpu_isas_compiled"][0] == "default"
+    assert set(info["cpu_isas_available"]) <= set(info["cpu_isas_compiled"])
+    assert info["cpu_isa"] in info["cpu_isas_available"]
+    assert info["cuda_kernel"] == bool(info["cuda_archs"])
+    if torch.cuda.is_available():
+        assert info["cuda_kernel"], "a GPU is visible but fused_ema was built without CUDA"
+    # The build's own torch version must be the one running (ABI).
+    assert torch.__version__.startswith(info["torch_version_built"])
+
+
+def test_build_info_cpu_kernel_answers_through_the_dispatcher():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_ema::lerp_", "CPU")
+
+
+def test_import_without_compiled_kernels_says_how_to_build(tmp_path):
+    # A copy of the package's Python files under another name, so that the installed (built)
+    # fused_ema cannot be picked up instead; its imports are all relative.
+    package = tmp_path / "fused_ema_unbuilt"
+    package.mkdir()
+    for source in (ROOT / "fused_ema").glob("*.py"):
+        shutil.copy(source, package / source.name)
+    assert not list(package.glob("_C*"))
+    result = subprocess.run(
+        [sys.executable, "-c", "import fused_ema_unbuilt"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr
+    assert "pip install --no-build-isolation" in result.stderr

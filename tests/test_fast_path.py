@@ -1,0 +1,94 @@
+"""Eager calls on plain tensors skip the dispatcher's boxing (fused_ema._C._lerp_eager); anything
+the dispatcher must see still goes through it. Both roads run the same C++ driver, so they give
+the same bits, the same errors and the same version-counter bumps."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fused_ema
+from fused_ema import _C
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def lists(device, n=3):
+    return [torch.randn(100, device=device) for _ in range(n)], [
+        torch.randn(100, device=device) for _ in range(n)
+    ]
+
+
+def test_fast_path_takes_plain_tensors_and_parameters(device):
+    ema, src = lists(device)
+    src[0] = torch.nn.Parameter(src[0])
+    assert _C._lerp_eager(ema, src, 0.5) is True
+    assert _C._lerp_eager(ema, src, torch.tensor(0.5, device=device)) is True
+
+
+def test_fast_path_and_dispatcher_give_the_same_bits(device):
+    ema, src = lists(device)
+    other = [e.clone() for e in ema]
+    assert _C._lerp_eager(ema, src, 0.3)
+    torch.ops.fused_ema.lerp_.default(other, src, 0.3)
+    for a, b in zip(ema, other):
+        assert torch.equal(a, b)
+
+
+def test_dispatch_modes_see_the_op(device):
+    ema, src = lists(device)
+    expected = [e.clone() for e in ema]
+    torch._foreach_lerp_(expected, src, 0.25)
+    with RecordOps() as mode:
+        assert _C._lerp_eager(ema, src, 0.25) is False  # declines: a mode is active
+        fused_ema.lerp_(ema, src, 0.25)
+    assert "fused_ema.lerp_.default" in mode.ops
+    for a, b in zip(ema, expected):
+        assert torch.equal(a, b)
+
+
+class Tagged(torch.Tensor):
+    """A subclass with its own __torch_function__: must not be bypassed."""
+
+    seen = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_subclasses_go_through_the_dispatcher(device):
+    ema, src = lists(device)
+    src[1] = src[1].as_subclass(Tagged)
+    assert _C._lerp_eager(ema, src, 0.5) is False
+    Tagged.seen = 0
+    fused_ema.lerp_(ema, src, 0.5)
+    assert Tagged.seen > 0
+
+
+def test_meta_tensors_go_through_the_fake_kernel():
+    ema = [torch.empty(5, device="meta")]
+    src = [torch.empty(5, device="meta")]
+    assert _C._lerp_eager(ema, src, 0.5) is False
+    fused_ema.lerp_(ema, src, 0.5)  # handled by the registered fake kernel
+
+
+def test_fast_path_declines_under_functorch_transforms():
+    ema, src = lists("cpu", 1)
+
+    def update(x):
+        fused_ema.lerp_([x], [src[0]], 0.5)
+        return x
+
+    # vmap needs the dispatcher (batching rules); had the fast path run, it would have written
+    # through the batched tensor's storage silently. The dispatcher refuses clearly instead.
+    with pytest.raises(RuntimeError, match="Batching rule not implemented for fused_ema::lerp_"):
+        torch.vmap(update)(torch.randn(2, 100))

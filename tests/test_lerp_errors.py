@@ -1,0 +1,224 @@
+"""Bad input to fused_ema.lerp_ gets a clear error naming the index, the expected and the actual,
+and the EMA tensors are bit-identical afterwards (every check runs before anything is written).
+Each case is tried through the public function and through the raw torch.ops entry."""
+
+import pytest
+import torch
+
+import fused_ema
+
+def raw_op(ema, src, weight):
+    """The dispatcher entry, overload named explicitly (the packet would turn a 0-dim int tensor
+    into a float and pick the float overload)."""
+    ops = torch.ops.fused_ema.lerp_
+    overload = ops.Tensor if isinstance(weight, torch.Tensor) else ops.default
+    overload(ema, src, weight)
+
+
+ENTRIES = {"api": fused_ema.lerp_, "raw": raw_op}
+
+
+@pytest.fixture(params=list(ENTRIES))
+def lerp(request):
+    return ENTRIES[request.param]
+
+
+def good_lists(device, count=4, n=257):
+    ema = [torch.randn(n, device=device) for _ in range(count)]
+    src = [torch.randn(n, device=device) for _ in range(count)]
+    return ema, src
+
+
+def assert_rejected(lerp, ema, src, weight, error, match):
+    """The call raises `error` matching `match`, and leaves every ema tensor as it was."""
+    snapshot = [e.detach().clone() for e in ema]
+    with pytest.raises(error, match=match):
+        lerp(ema, src, weight)
+    for i, (e, s) in enumerate(zip(ema, snapshot)):
+        assert torch.equal(e, s), f"ema[{i}] changed although the call was rejected"
+
+
+def test_length_mismatch(lerp, device):
+    ema, src = good_lists(device)
+    assert_rejected(lerp, ema, src[:3], 0.5, ValueError, r"ema has 4 tensors but src has 3")
+
+
+def test_shape_mismatch_names_index_and_shapes(lerp, device):
+    ema, src = good_lists(device)
+    src[2] = torch.randn(16, 16, device=device)
+    assert_rejected(
+        lerp, ema, src, 0.5, ValueError, r"src\[2\] has shape \[16, 16\] but ema\[2\] has shape \[257\]"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("side", ["ema", "src"])
+def test_integer_and_bool_dtypes(lerp, device, dtype, side):
+    ema, src = good_lists(device)
+    bad = torch.ones(257, dtype=dtype, device=device)
+    (ema if side == "ema" else src)[3] = bad
+    name = str(dtype).split(".")[-1]
+    assert_rejected(lerp, ema, src, 0.5, ValueError, rf"{side}\[3\] has dtype {name}")
+
+
+@pytest.mark.parametrize(
+    "ema_dtype, src_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.float64, torch.float32),
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_unsupported_dtype_pairs(lerp, device, ema_dtype, src_dtype):
+    ema, src = good_lists(device)
+    ema[1] = torch.randn(257, device=device).to(ema_dtype)
+    src[1] = torch.randn(257, device=device).to(src_dtype)
+    e, s = str(ema_dtype).split(".")[-1], str(src_dtype).split(".")[-1]
+    assert_rejected(
+        lerp, ema, src, 0.5, ValueError, rf"unsupported dtype pair at index 1: ema {e}, src {s}"
+    )
+
+
+def test_complex_dtype(lerp, device):
+    ema, src = good_lists(device)
+    ema[0] = torch.randn(257, dtype=torch.complex64, device=device)
+    src[0] = torch.randn(257, dtype=torch.complex64, device=device)
+    assert_rejected(lerp, ema, src, 0.5, ValueError, r"ema\[0\] has dtype complex64")
+
+
+def test_overlapping_ema_tensors(lerp, device):
+    base = torch.randn(1000, device=device)
+    ema = [torch.randn(100, device=device), base[0:600], base[500:1000]]
+    src = [torch.randn(100, device=device), torch.randn(600, device=device),
+           torch.randn(500, device=device)]
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[1\] and ema\[2\] share memory")
+
+
+def test_same_ema_tensor_twice(lerp, device):
+    ema, src = good_lists(device)
+    ema[3] = ema[0]
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[0\] and ema\[3\] share memory")
+
+
+def test_src_aliasing_its_ema(lerp, device):
+    ema, src = good_lists(device)
+    src[2] = ema[2]
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"src\[2\] aliases ema\[2\]")
+
+
+def test_src_view_overlapping_its_ema(lerp, device):
+    base = torch.randn(600, device=device)
+    ema, src = [torch.randn(8, device=device), base[:300]], [torch.randn(8, device=device), base[200:500]]
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"src\[1\] aliases ema\[1\]")
+
+
+def test_src_overlapping_another_ema(lerp, device):
+    ema, src = good_lists(device)
+    src[3] = ema[1]
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"src\[3\] shares memory with ema\[1\]")
+
+
+def test_expanded_ema_has_internal_overlap(lerp, device):
+    ema, src = good_lists(device)
+    ema[2] = torch.randn(1, device=device).expand(257)
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[2\] has internally overlapping memory")
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weight(lerp, device, weight):
+    ema, src = good_lists(device)
+    assert_rejected(lerp, ema, src, weight, ValueError, r"weight must be finite")
+
+
+def test_non_finite_cpu_tensor_weight(device):
+    ema, src = good_lists(device)
+    assert_rejected(
+        fused_ema.lerp_, ema, src, torch.tensor(float("nan")), ValueError, "weight must be finite"
+    )
+
+
+@pytest.mark.parametrize(
+    "weight, match",
+    [
+        (torch.tensor([0.1, 0.2]), r"one element .* got shape \[2\]"),
+        (torch.tensor(1, dtype=torch.int64), r"float32 or float64, got int64"),
+        (torch.tensor(0.5, dtype=torch.bfloat16), r"float32 or float64, got bfloat16"),
+    ],
+)
+def test_bad_tensor_weight(lerp, device, weight, match):
+    ema, src = good_lists(device)
+    assert_rejected(lerp, ema, src, weight.to(device), ValueError, match)
+
+
+@pytest.mark.parametrize("weight", [True, "0.5", None, [0.5]])
+def test_weight_of_wrong_type(device, weight):
+    ema, src = good_lists(device)
+    assert_rejected(fused_ema.lerp_, ema, src, weight, TypeError, "weight must be a float")
+
+
+def test_tensor_instead_of_list():
+    ema, src = good_lists("cpu")
+    with pytest.raises(TypeError, match="sequence of tensors, not a tensor"):
+        fused_ema.lerp_(ema[0], src[0], 0.5)
+
+
+def test_ema_requiring_grad_under_grad_mode(lerp, device):
+    ema, src = good_lists(device)
+    ema[1] = torch.nn.Parameter(ema[1])
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[1\] requires grad")
+    with torch.no_grad():  # the way EMA updates run
+        lerp(ema, src, 0.5)
+
+
+def test_src_requiring_grad_is_fine(lerp, device):
+    ema, src = good_lists(device)
+    src = [torch.nn.Parameter(s) for s in src]
+    expected = [e.clone() for e in ema]
+    torch._foreach_lerp_(expected, [s.detach() for s in src], 0.5)
+    lerp(ema, src, 0.5)
+    for a, b in zip(ema, expected):
+        assert torch.equal(a, b)
+
+
+def test_inference_tensor_outside_inference_mode(lerp, device):
+    ema, src = good_lists(device)
+    with torch.inference_mode():
+        ema[2] = torch.randn(257, device=device)
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[2\] is an inference tensor")
+
+
+def test_sparse_tensor(lerp):
+    ema, src = good_lists("cpu")
+    ema[1] = torch.randn(257).to_sparse()
+    with pytest.raises((ValueError, RuntimeError, NotImplementedError)):
+        lerp(ema, src, 0.5)
+
+
+def test_device_mismatch_within_pair_names_both_devices(lerp):
+    # A meta src stands in for a second device on CPU-only machines.
+    ema, src = good_lists("cpu")
+    src[2] = torch.randn(257, device="meta")
+    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"src\[2\] is on meta but ema\[2\] is on cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cpu_pair_names_both_devices(lerp):
+    ema, src = good_lists("cuda")
+    src[1] = src[1].cpu()
+    assert_rejected(
+        lerp, ema, src, 0.5, RuntimeError, r"src\[1\] is on cpu but ema\[1\] is on cuda:0"
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_weight_for_cpu_ema_is_refused(lerp):
+    ema, src = good_lists("cpu")
+    weight = torch.tensor(0.5, device="cuda")
+    assert_rejected(lerp, ema, src, weight, RuntimeError, r"weight is on cuda:0")
+
+
+def test_empty_lists_are_a_no_op(lerp):
+    lerp([], [], 0.5)
+    lerp([], [], torch.tensor(0.5))
