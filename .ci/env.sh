@@ -45,4 +45,4 @@ if [ "$(cat "$fused_ema_stamp_file" 2>/dev/null)" != "$(fused_ema_stamp)" ] \
   python -m pip install -q --no-build-isolation --no-deps -e "$FUSED_EMA_ROOT"
   fused_ema_stamp >"$fused_ema_stamp_file"
 fi
-fused_ema_log "ready: $(cd /tmp && python -m fused_ema | tr -d '\n ' | cut -c1-200)"
+fused_ema_log "ready: $(cd /tmp && python -m fused_ema --short)"

@@ -29,8 +29,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    print(f"fused_ema {fused_ema.__version__}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, CPU path {fused_ema.cpu_isa()}")
+    print(
+        f"fused_ema {fused_ema.__version__}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, CPU path {fused_ema.cpu_isa()}"
+    )
     scenarios = [
         scenario("20,000 x 1,000 float32", 20_000, 1_000, torch.float32, torch.float32),
         scenario("4 x 10M float32", 4, 10_000_000, torch.float32, torch.float32),
@@ -38,11 +40,12 @@ def main():
     ]
     print(f"{'scenario':28} {'foreach_lerp_ ms':>17} {'fused_ema ms':>13} {'speed-up':>9}")
     for name, ema, src in scenarios:
-        def foreach():
+
+        def foreach(ema=ema, src=src):
             same = src if src[0].dtype == ema[0].dtype else [s.to(ema[0].dtype) for s in src]
             torch._foreach_lerp_(ema, same, 1e-3)
 
-        def fused():
+        def fused(ema=ema, src=src):
             fused_ema.lerp_(ema, src, 1e-3)
 
         rounds = {"foreach": [], "fused": []}

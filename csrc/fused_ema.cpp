@@ -88,11 +88,11 @@ PyMODINIT_FUNC PyInit__C() {
   if (module == nullptr) {
     return nullptr;
   }
-  PyModule_AddStringConstant(module, "TORCH_VERSION_BUILT",
-                             (std::to_string(TORCH_VERSION_MAJOR) + "." +
-                              std::to_string(TORCH_VERSION_MINOR) + "." +
-                              std::to_string(TORCH_VERSION_PATCH))
-                                 .c_str());
+  PyModule_AddStringConstant(
+      module, "TORCH_VERSION_BUILT",
+      (std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+       std::to_string(TORCH_VERSION_PATCH))
+          .c_str());
   PyModule_AddObject(module, "COMPILED_CPU_ISAS", string_tuple(fused_ema::cpu::compiled_isas()));
   PyModule_AddIntConstant(module, "WITH_CUDA", FUSED_EMA_WITH_CUDA);
 #if FUSED_EMA_WITH_CUDA

@@ -3,9 +3,9 @@
 #include "lerp_op.h"
 
 #include <ATen/record_function.h>
-#include <torch/library.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <array>
 #include <cmath>
@@ -16,7 +16,8 @@ namespace fused_ema {
 namespace {
 
 constexpr const char* kOp = "fused_ema.lerp_: ";
-constexpr auto kNumDeviceTypes = static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES);
+constexpr auto kNumDeviceTypes =
+    static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES);
 
 std::array<DeviceRunner, kNumDeviceTypes>& runners() {
   static std::array<DeviceRunner, kNumDeviceTypes> table{};

@@ -59,8 +59,8 @@ void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i) {
   TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), kOp, "unsupported dtype pair at index ", i,
                     ": ema ", dtype_name(et), ", src ", dtype_name(st),
                     "; supported (ema, src) pairs: ", supported_pairs_text());
-  TORCH_CHECK_VALUE(e.sizes() == s.sizes(), kOp, "src[", i, "] has shape ", s.sizes(),
-                    " but ema[", i, "] has shape ", e.sizes());
+  TORCH_CHECK_VALUE(e.sizes() == s.sizes(), kOp, "src[", i, "] has shape ", s.sizes(), " but ema[",
+                    i, "] has shape ", e.sizes());
   TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
               "] has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
               "be updated in place");
@@ -108,8 +108,7 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
     const Interval& a = emas[k - 1];
     const Interval& b = emas[k];
     TORCH_CHECK(b.lo >= a.hi, kOp, "ema[", std::min(a.index, b.index), "] and ema[",
-                std::max(a.index, b.index),
-                "] share memory; every EMA tensor must own its memory");
+                std::max(a.index, b.index), "] share memory; every EMA tensor must own its memory");
   }
   if (!std::is_sorted(srcs.begin(), srcs.end(), by_lo)) {
     std::sort(srcs.begin(), srcs.end(), by_lo);
@@ -147,8 +146,8 @@ void DevicePlan::finish() const {
 }
 
 std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
-  TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(),
-                    " tensors but src has ", src.size());
+  TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
+                    src.size());
   const size_t count = ema.size();
   std::vector<DeviceWork> work;
   size_t current = 0;
@@ -162,8 +161,9 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
     const auto index = static_cast<int64_t>(i);
     check_pair(e, s, index);
     if (work.empty() || work[current].plan.device != e.device()) {
-      const auto found = std::find_if(work.begin(), work.end(),
-                                      [&](const DeviceWork& w) { return w.plan.device == e.device(); });
+      const auto found = std::find_if(work.begin(), work.end(), [&](const DeviceWork& w) {
+        return w.plan.device == e.device();
+      });
       current = static_cast<size_t>(found - work.begin());
       if (found == work.end()) {
         work.emplace_back(e.device());

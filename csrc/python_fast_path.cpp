@@ -3,12 +3,12 @@
 // PyObject bookkeeping, ~0.4 us a tensor: most of the cost of a 20,000-tensor update). This
 // path declines, returning False, whenever the dispatcher has work to do: tensor subclasses,
 // __torch_function__ overrides, dispatch modes, functorch transforms, non-dense tensors.
-#include <Python.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <Python.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/utils/object_ptr.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <vector>
@@ -25,7 +25,8 @@ bool plain_tensor(PyObject* obj) {
   if (type != THPVariableClass && type != ParameterClass) {
     return false;
   }
-  const auto keys = THPVariable_Unpack(obj).key_set() - c10::autograd_dispatch_keyset_with_ADInplaceOrView -
+  const auto keys = THPVariable_Unpack(obj).key_set() -
+                    c10::autograd_dispatch_keyset_with_ADInplaceOrView -
                     c10::autocast_dispatch_keyset;
   return keys == c10::DispatchKeySet(c10::DispatchKey::CPU) ||
          keys == c10::DispatchKeySet(c10::DispatchKey::CUDA);

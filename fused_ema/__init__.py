@@ -1,11 +1,11 @@
 """fused_ema: fused, device-safe exponential moving averages of PyTorch model weights.
 
-    fused_ema.lerp_(ema_tensors, src_tensors, weight)   # ema[i] += weight * (src[i] - ema[i])
-    fused_ema.build_info()                              # what was compiled, and for what
+fused_ema.lerp_(ema_tensors, src_tensors, weight)   # ema[i] += weight * (src[i] - ema[i])
+fused_ema.build_info()                              # what was compiled, and for what
 """
 
-from ._version import __version__
 from ._loader import _C  # noqa: F401  (must come before the ops that use it)
+from ._version import __version__
 from .ops import SUPPORTED_DTYPE_PAIRS, build_info, cpu_isa, lerp_, set_cpu_isa
 
 __all__ = [

@@ -47,9 +47,8 @@ def lerp_(
     elif isinstance(weight, (float, int)) and not isinstance(weight, bool):
         op, weight = torch.ops.fused_ema.lerp_.default, float(weight)
     else:
-        raise TypeError(
-            f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {type(weight).__name__}"
-        )
+        kind = type(weight).__name__
+        raise TypeError(f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {kind}")
     if not ema:
         return
     # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver);

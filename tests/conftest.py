@@ -48,9 +48,10 @@ def assert_lerp_close(result: torch.Tensor, ema_before: torch.Tensor, src: torch
     weight = float(weight)
     ref = lerp_reference(ema_before, src, weight)
     got = result.detach().to("cpu", torch.float64)
-    scale = ema_before.detach().to("cpu", torch.float64).abs() + src.detach().to(
-        "cpu", torch.float64
-    ).abs()
+    scale = (
+        ema_before.detach().to("cpu", torch.float64).abs()
+        + src.detach().to("cpu", torch.float64).abs()
+    )
     eps = torch.finfo(result.dtype).eps
     bound = eps * scale + torch.finfo(result.dtype).tiny
     err = (got - ref).abs()

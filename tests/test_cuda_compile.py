@@ -30,10 +30,20 @@ NVCC = find_nvcc()
 def test_cuda_kernels_compile(arch, tmp_path):
     out = tmp_path / f"kernels_sm{arch}.o"
     cmd = [
-        NVCC, "-std=c++17", "-O3", f"-I{ROOT / 'csrc'}",
-        "-gencode", f"arch=compute_{arch},code=sm_{arch}",
-        "-Xptxas", "-warn-spills", "-Werror", "all-warnings",
-        "-c", str(ROOT / "tests" / "cuda" / "compile_check.cu"), "-o", str(out),
+        NVCC,
+        "-std=c++17",
+        "-O3",
+        f"-I{ROOT / 'csrc'}",
+        "-gencode",
+        f"arch=compute_{arch},code=sm_{arch}",
+        "-Xptxas",
+        "-warn-spills",
+        "-Werror",
+        "all-warnings",
+        "-c",
+        str(ROOT / "tests" / "cuda" / "compile_check.cu"),
+        "-o",
+        str(out),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

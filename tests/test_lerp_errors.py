@@ -7,6 +7,7 @@ import torch
 
 import fused_ema
 
+
 def raw_op(ema, src, weight):
     """The dispatcher entry, overload named explicitly (the packet would turn a 0-dim int tensor
     into a float and pick the float overload)."""
@@ -47,7 +48,12 @@ def test_shape_mismatch_names_index_and_shapes(lerp, device):
     ema, src = good_lists(device)
     src[2] = torch.randn(16, 16, device=device)
     assert_rejected(
-        lerp, ema, src, 0.5, ValueError, r"src\[2\] has shape \[16, 16\] but ema\[2\] has shape \[257\]"
+        lerp,
+        ema,
+        src,
+        0.5,
+        ValueError,
+        r"src\[2\] has shape \[16, 16\] but ema\[2\] has shape \[257\]",
     )
 
 
@@ -91,8 +97,11 @@ def test_complex_dtype(lerp, device):
 def test_overlapping_ema_tensors(lerp, device):
     base = torch.randn(1000, device=device)
     ema = [torch.randn(100, device=device), base[0:600], base[500:1000]]
-    src = [torch.randn(100, device=device), torch.randn(600, device=device),
-           torch.randn(500, device=device)]
+    src = [
+        torch.randn(100, device=device),
+        torch.randn(600, device=device),
+        torch.randn(500, device=device),
+    ]
     assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[1\] and ema\[2\] share memory")
 
 
@@ -110,7 +119,10 @@ def test_src_aliasing_its_ema(lerp, device):
 
 def test_src_view_overlapping_its_ema(lerp, device):
     base = torch.randn(600, device=device)
-    ema, src = [torch.randn(8, device=device), base[:300]], [torch.randn(8, device=device), base[200:500]]
+    ema, src = (
+        [torch.randn(8, device=device), base[:300]],
+        [torch.randn(8, device=device), base[200:500]],
+    )
     assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"src\[1\] aliases ema\[1\]")
 
 
@@ -123,7 +135,9 @@ def test_src_overlapping_another_ema(lerp, device):
 def test_expanded_ema_has_internal_overlap(lerp, device):
     ema, src = good_lists(device)
     ema[2] = torch.randn(1, device=device).expand(257)
-    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[2\] has internally overlapping memory")
+    assert_rejected(
+        lerp, ema, src, 0.5, RuntimeError, r"ema\[2\] has internally overlapping memory"
+    )
 
 
 @pytest.mark.parametrize("weight", [float("nan"), float("inf"), -float("inf")])
@@ -200,7 +214,9 @@ def test_device_mismatch_within_pair_names_both_devices(lerp):
     # A meta src stands in for a second device on CPU-only machines.
     ema, src = good_lists("cpu")
     src[2] = torch.randn(257, device="meta")
-    assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"src\[2\] is on meta but ema\[2\] is on cpu")
+    assert_rejected(
+        lerp, ema, src, 0.5, RuntimeError, r"src\[2\] is on meta but ema\[2\] is on cpu"
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

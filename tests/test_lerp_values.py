@@ -4,8 +4,6 @@ layouts, list lengths, weights and CPU instruction sets."""
 
 import pytest
 import torch
-
-import fused_ema
 from conftest import (
     DTYPE_PAIRS,
     SAME_DTYPE_PAIRS,
@@ -13,6 +11,8 @@ from conftest import (
     pair_id,
     random_tensor,
 )
+
+import fused_ema
 
 SIZES = [0, 1, 7, 33, 1023, 200_003]  # empty, tiny, odd, beyond one CPU grain and CUDA chunk
 WEIGHTS = [0.0, 1.0, 0.5, 0.5 - 1e-7, 0.5 + 1e-7, 1e-4, 0.3, 0.9]
@@ -221,7 +221,7 @@ def test_every_cpu_isa_is_bitwise_identical(pair, restore_cpu_isa):
             out = [e.clone() for e in ema]
             fused_ema.lerp_(out, src, weight)
             results[(isa, weight)] = out
-    for (isa, weight), out in results.items():
+    for (_isa, weight), out in results.items():
         assert_bitwise(out, results[("default", weight)])
 
 

@@ -78,8 +78,9 @@ int initial_choice() {
   if (k >= 0 && available(k)) {
     return k;
   }
-  TORCH_WARN("fused_ema: FUSED_EMA_CPU_ISA=", requested, " is not available here (available: ",
-             join(available_isas()), "); using ", kIsas[best_available()].name);
+  TORCH_WARN("fused_ema: FUSED_EMA_CPU_ISA=", requested,
+             " is not available here (available: ", join(available_isas()), "); using ",
+             kIsas[best_available()].name);
   return best_available();
 }
 

@@ -97,9 +97,9 @@ void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, double we
 // In PairKind order.
 constexpr SpanKernels make_span_kernels(const char* isa) {
   return {isa,
-          {&lerp_span<float, float>, &lerp_span<float, c10::BFloat16>,
-           &lerp_span<float, c10::Half>, &lerp_span<c10::BFloat16, c10::BFloat16>,
-           &lerp_span<c10::Half, c10::Half>, &lerp_span<double, double>}};
+          {&lerp_span<float, float>, &lerp_span<float, c10::BFloat16>, &lerp_span<float, c10::Half>,
+           &lerp_span<c10::BFloat16, c10::BFloat16>, &lerp_span<c10::Half, c10::Half>,
+           &lerp_span<double, double>}};
 }
 
 }  // namespace CPU_CAPABILITY

@@ -19,12 +19,9 @@ using Launcher = cudaError_t (*)(const TensorRef*, int64_t, WeightArg, cudaStrea
 
 // In PairKind order.
 constexpr std::array<Launcher, kNumPairKinds> kLaunchers = {
-    &launch_lerp<float, float>,
-    &launch_lerp<float, __nv_bfloat16>,
-    &launch_lerp<float, __half>,
-    &launch_lerp<__nv_bfloat16, __nv_bfloat16>,
-    &launch_lerp<__half, __half>,
-    &launch_lerp<double, double>,
+    &launch_lerp<float, float>,   &launch_lerp<float, __nv_bfloat16>,
+    &launch_lerp<float, __half>,  &launch_lerp<__nv_bfloat16, __nv_bfloat16>,
+    &launch_lerp<__half, __half>, &launch_lerp<double, double>,
 };
 
 WeightArg weight_arg(const LerpWeight& weight) {

@@ -36,13 +36,21 @@ __device__ inline float to_opmath(__half x) { return __half2float(x); }
 template <typename T>
 __device__ T from_opmath(typename OpMath<T>::type x);
 template <>
-__device__ inline float from_opmath<float>(float x) { return x; }
+__device__ inline float from_opmath<float>(float x) {
+  return x;
+}
 template <>
-__device__ inline double from_opmath<double>(double x) { return x; }
+__device__ inline double from_opmath<double>(double x) {
+  return x;
+}
 template <>
-__device__ inline __nv_bfloat16 from_opmath<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ inline __nv_bfloat16 from_opmath<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 template <>
-__device__ inline __half from_opmath<__half>(float x) { return __float2half_rn(x); }
+__device__ inline __half from_opmath<__half>(float x) {
+  return __float2half_rn(x);
+}
 
 template <typename E, typename S>
 struct LerpOp {

@@ -145,8 +145,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   auto* ema_body = reinterpret_cast<Pack<E, kPack>*>(ema + head);
   const auto* src_body = reinterpret_cast<const Pack<S, kPack>*>(src + head);
   const int64_t end = min64(packs, (chunk + 1) * kChunkPacks);
-  for (int64_t base = chunk * kChunkPacks + threadIdx.x; base < end;
-       base += kBlockThreads * kILP) {
+  for (int64_t base = chunk * kChunkPacks + threadIdx.x; base < end; base += kBlockThreads * kILP) {
     Pack<E, kPack> e[kILP];
     Pack<S, kPack> s[kILP];
 #pragma unroll
