@@ -35,11 +35,12 @@ CPU_SOURCES = [
     "csrc/lerp_op.cpp",
     "csrc/lerp_plan.cpp",
     "csrc/python_fast_path.cpp",
+    "csrc/schedule.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/lerp_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",
 ]
-CUDA_SOURCES = ["csrc/cuda/lerp_cuda.cu"]
+CUDA_SOURCES = ["csrc/cuda/lerp_cuda.cu", "csrc/cuda/schedule_cuda.cu"]
 CXX_FLAGS = ["-O3"]  # torch's BuildExtension adds the -std its headers need
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # The static libraries below are compiled by setuptools, not BuildExtension: name the standard.

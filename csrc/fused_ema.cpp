@@ -28,6 +28,10 @@ PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_p
 TORCH_LIBRARY(fused_ema, m) {
   m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, float weight) -> ()");
   m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
+  // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay).
+  m.def(
+      "ema_schedule_(Tensor(a!) step, Tensor(b!) out, bool advance, float decay, float min_decay,"
+      " float warmup_gamma, float warmup_power, int update_after_step, int update_every) -> ()");
 }
 
 namespace {

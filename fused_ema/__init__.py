@@ -6,9 +6,16 @@ fused_ema.build_info()                              # what was compiled, and for
 
 from ._loader import _C  # noqa: F401  (must come before the ops that use it)
 from ._version import __version__
+from .ema import LoadResult, ModelEma
+from .errors import CheckpointError, PrecisionWarning, StructureMismatchError
 from .ops import SUPPORTED_DTYPE_PAIRS, build_info, cpu_isa, lerp_, set_cpu_isa
 
 __all__ = [
+    "CheckpointError",
+    "LoadResult",
+    "ModelEma",
+    "PrecisionWarning",
+    "StructureMismatchError",
     "SUPPORTED_DTYPE_PAIRS",
     "__version__",
     "build_info",

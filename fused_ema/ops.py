@@ -89,6 +89,24 @@ def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: 
         raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
 
 
+@torch.library.register_fake("fused_ema::ema_schedule_")
+def _ema_schedule_fake(
+    step,
+    out,
+    advance,
+    decay,
+    min_decay,
+    warmup_gamma,
+    warmup_power,
+    update_after_step,
+    update_every,
+) -> None:
+    if step.dtype != torch.int64 or step.numel() != 1:
+        raise ValueError("fused_ema.ema_schedule_: step must be one int64 element")
+    if out.dtype != torch.float64 or out.numel() != 2:
+        raise ValueError("fused_ema.ema_schedule_: out must be 2 float64 elements")
+
+
 def _check_fake(ema: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """The metadata half of the C++ checks, so traced programs fail where eager ones would."""
     if len(ema) != len(src):

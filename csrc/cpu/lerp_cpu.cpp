@@ -21,7 +21,8 @@ void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
   // lerp_op.cpp hands a CPU plan only host weights (a CPU tensor weight is read there).
   TORCH_INTERNAL_ASSERT(weight.device_tensor == nullptr);
   const std::vector<FlatPair>& pairs = plan.pairs;
-  if (!pairs.empty()) {
+  // A zero weight leaves every EMA value as it is (ModelEma's skipped steps): touch no memory.
+  if (!pairs.empty() && weight.value != 0.0) {
     const SpanKernels& kernels = active_span_kernels();
     std::vector<int64_t> offsets(pairs.size() + 1, 0);
     for (size_t p = 0; p < pairs.size(); ++p) {

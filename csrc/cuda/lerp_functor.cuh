@@ -66,6 +66,7 @@ struct LerpOp {
   struct Bound {
     opmath_t coeff;
     bool small;
+    bool skip;  // weight 0 leaves every value as it is: ModelEma's skipped steps touch no memory
     __device__ E operator()(E e_in, S s_in) const {
       const opmath_t e = to_opmath(e_in);
       const opmath_t s = to_opmath(s_in);
@@ -76,7 +77,7 @@ struct LerpOp {
   __device__ Bound bind() const {
     const auto w = static_cast<opmath_t>(weight.read());
     const bool small = fabs(w) < opmath_t(0.5);
-    return {small ? w : w - opmath_t(1), small};
+    return {small ? w : w - opmath_t(1), small, w == opmath_t(0)};
   }
 };
 

@@ -99,7 +99,8 @@ __device__ inline int find_tensor(const LaunchMeta& meta, int32_t block) {
   return lo;
 }
 
-// Op supplies ema_t, src_t, kPack and bind(), whose result maps (ema, src) to the new ema value.
+// Op supplies ema_t, src_t, kPack and bind(), whose result maps (ema, src) to the new ema value
+// and says whether this launch may skip its work (read on the device: a device-side weight).
 template <typename Op>
 __global__ void __launch_bounds__(kBlockThreads)
     multi_tensor_kernel(const __grid_constant__ LaunchMeta meta, const Op op) {
@@ -114,6 +115,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t n = meta.numel[t];
   const int head = meta.head[t];
   const auto f = op.bind();
+  if (f.skip) {
+    return;
+  }
 
   if (head < 0) {
     const int64_t end = min64(n, (chunk + 1) * kChunkElems);

@@ -16,3 +16,12 @@ template cudaError_t fc::launch_lerp<__half, __half>(const fc::TensorRef*, int64
                                                      cudaStream_t);
 template cudaError_t fc::launch_lerp<double, double>(const fc::TensorRef*, int64_t, fc::WeightArg,
                                                      cudaStream_t);
+
+// The schedule formula is shared by host and device (schedule_formula.h).
+#include "schedule_formula.h"
+
+__global__ void schedule_check(const fused_ema::Schedule schedule, int64_t step, double* out) {
+  const fused_ema::ScheduledWeight w = fused_ema::scheduled_weight(schedule, step);
+  out[0] = w.weight;
+  out[1] = w.decay;
+}

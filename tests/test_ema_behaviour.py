@@ -1,0 +1,292 @@
+"""ModelEma's everyday behaviour: the schedule (warmup, update_after_step, update_every, given
+steps), buffers, dtypes, ema.module, wrappers, stats and argument checks."""
+
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+from ema_helpers import TiedNet, small_mlp, train_step
+from torch import nn
+
+import fused_ema
+
+
+def python_decay(step, decay, warmup=None, min_decay=0.0, update_after_step=0):
+    """The schedule, written independently of the C++ formula."""
+    s = step - update_after_step - 1
+    if s <= 0:
+        return 0.0
+    if warmup:
+        gamma, power = warmup
+        return max(min(1 - (1 + s / gamma) ** -power, decay), min_decay)
+    return decay
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(decay=0.9999, warmup=(1.0, 2 / 3)),
+        dict(decay=0.99, warmup=(10.0, 0.75), min_decay=0.5, update_after_step=4),
+        dict(decay=0.9, update_after_step=2),
+    ],
+)
+def test_decay_schedule_follows_the_formula(config):
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, **config)
+    for step in range(1, 60):
+        ema.update(model)
+        assert ema.step == step
+        expected = python_decay(
+            step,
+            config["decay"],
+            config.get("warmup"),
+            config.get("min_decay", 0.0),
+            config.get("update_after_step", 0),
+        )
+        assert ema.current_decay == pytest.approx(expected, rel=1e-15, abs=0)
+
+
+def test_copies_until_update_after_step_then_averages():
+    torch.manual_seed(0)
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = fused_ema.ModelEma(model, decay=0.5, update_after_step=3)
+    for _ in range(4):  # steps 1..4 = update_after_step + 1 copy
+        train_step(model, opt)
+        ema.update(model)
+        for name, value in model.state_dict().items():
+            assert torch.equal(
+                ema.state_dict()["weights"][name],
+                value.to(torch.float32) if value.is_floating_point() else value,
+            ), name
+    previous = ema.module[0].weight.detach().clone()
+    train_step(model, opt)
+    ema.update(model)
+    expected = previous + 0.5 * (model[0].weight.detach() - previous)
+    torch.testing.assert_close(ema.module[0].weight, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_update_every_skips_steps_and_uses_decay_power():
+    torch.manual_seed(1)
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = fused_ema.ModelEma(model, decay=0.9, update_every=4)
+    ema.update(model)  # step 1: copy
+    for step in range(2, 14):
+        train_step(model, opt)
+        before = ema.module[0].weight.detach().clone()
+        ema.update(model)
+        after = ema.module[0].weight.detach()
+        if (step - 1) % 4:
+            assert torch.equal(after, before), f"step {step} should be skipped"
+        else:
+            expected = before + (1 - 0.9**4) * (model[0].weight.detach() - before)
+            torch.testing.assert_close(after, expected, rtol=1e-6, atol=1e-7)
+    assert ema.step == 13
+
+
+@pytest.mark.parametrize("kind", ["int", "cpu-tensor", "float-tensor"])
+def test_given_steps_drive_the_schedule(kind):
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.999, warmup=True)
+    for step in (1, 2, 10, 500):
+        value = {
+            "int": step,
+            "cpu-tensor": torch.tensor(step),
+            "float-tensor": torch.tensor(float(step)),
+        }[kind]
+        ema.update(model, step=value)
+        assert ema.step == step
+        assert ema.current_decay == pytest.approx(python_decay(step, 0.999, (1.0, 2 / 3)))
+
+
+def test_bad_steps_are_refused_and_change_nothing():
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model)
+    ema.update(model)
+    for bad in (2.5, torch.tensor([1, 2]), True):
+        with pytest.raises(ValueError, match="step"):
+            ema.update(model, step=bad)
+        assert ema.step == 1
+
+
+def test_integer_buffers_are_copied_exactly_float_buffers_averaged():
+    torch.manual_seed(2)
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    for _ in range(25):
+        train_step(model, opt)
+        ema.update(model)
+    weights = ema.state_dict()["weights"]
+    tracked = weights["1.num_batches_tracked"]
+    assert tracked.dtype == torch.int64 and int(tracked) == 25 == int(model[1].num_batches_tracked)
+    assert not torch.equal(weights["1.running_mean"], model[1].running_mean)  # averaged
+
+
+@pytest.mark.parametrize("mode", ["average", "copy", "ignore"])
+def test_buffer_modes(mode):
+    torch.manual_seed(3)
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = fused_ema.ModelEma(model, decay=0.9, buffers=mode)
+    for _ in range(5):
+        train_step(model, opt)
+        ema.update(model)
+    weights = ema.state_dict()["weights"]
+    if mode == "ignore":
+        assert "1.running_mean" not in weights and "1.num_batches_tracked" not in weights
+    elif mode == "copy":
+        assert torch.equal(weights["1.running_mean"], model[1].running_mean)
+        assert weights["1.running_mean"].dtype == model[1].running_mean.dtype
+    else:
+        assert not torch.equal(weights["1.running_mean"], model[1].running_mean)
+    assert int(weights.get("1.num_batches_tracked", torch.tensor(5))) == 5
+
+
+def test_non_persistent_buffers_are_not_tracked():
+    ema = fused_ema.ModelEma(TiedNet())
+    assert "cache" not in ema.names() and "scale" in ema.names()
+
+
+@pytest.mark.parametrize(
+    "model_dtype, ema_dtype, expected",
+    [
+        (torch.bfloat16, None, torch.float32),
+        (torch.float16, None, torch.float32),
+        (torch.float32, None, torch.float32),
+        (torch.float64, None, torch.float64),
+        (torch.float32, torch.float64, torch.float64),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_ema_dtypes(model_dtype, ema_dtype, expected):
+    model = small_mlp(model_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fused_ema.PrecisionWarning)
+        ema = fused_ema.ModelEma(model, decay=0.9, dtype=ema_dtype)
+    ema.update(model)
+    ema.update(model)
+    weights = ema.state_dict()["weights"]
+    assert weights["0.weight"].dtype == expected
+    assert weights["1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_fp32_ema_of_bf16_model_tracks_float64_while_bf16_ema_stalls():
+    torch.manual_seed(4)
+    model = small_mlp(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    decay = 0.995
+    fp32 = fused_ema.ModelEma(model, decay=decay)
+    with pytest.warns(fused_ema.PrecisionWarning, match="float32"):
+        bf16 = fused_ema.ModelEma(model, decay=decay, dtype=torch.bfloat16)
+    reference = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    for step in range(1, 201):
+        train_step(model, opt)
+        fp32.update(model)
+        bf16.update(model)
+        weight = 1.0 if step == 1 else 1 - decay
+        for n, p in model.named_parameters():
+            reference[n] += weight * (p.detach().double() - reference[n])
+    fp32_w, bf16_w = fp32.state_dict()["weights"], bf16.state_dict()["weights"]
+    for name, ref in reference.items():
+        scale = ref.abs().max()
+        assert float((fp32_w[name].double() - ref).abs().max() / scale) < 1e-5, name
+    worst_bf16 = max(
+        float((bf16_w[n].double() - r).abs().max() / r.abs().max()) for n, r in reference.items()
+    )
+    assert worst_bf16 > 1e-3  # the bf16 EMA lost its updates to rounding
+    assert bf16.stats(model)["unchanged_fraction"] > 0.5
+
+
+def test_module_shares_the_ema_tensors_and_evaluates():
+    torch.manual_seed(5)
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    module = ema.module
+    assert module is not model and not module.training
+    weights = ema.state_dict()["weights"]
+    for name, tensor in module.state_dict().items():
+        assert tensor.data_ptr() == weights[name].data_ptr(), f"{name} stored twice"
+    assert all(not p.requires_grad for p in module.parameters())
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(module(x), model.eval()(x))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    train_step(model, opt)
+    ema.update(model)
+    ema.update(model)
+    assert ema.module is module  # kept, and it sees the update in place
+    assert torch.equal(module[0].weight, ema.state_dict()["weights"]["0.weight"])
+
+
+class Locked(nn.Module):
+    """A model deepcopy cannot copy (it holds a lock), as in real training code."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small_mlp()
+        self.lock = threading.Lock()
+
+
+def test_model_that_cannot_be_deepcopied():
+    model = Locked()
+    ema = fused_ema.ModelEma(model, decay=0.5)  # no deepcopy needed to average
+    ema.update(model)
+    ema.update(model)
+    with pytest.raises(RuntimeError, match="swapped"):
+        _ = ema.module
+    with ema.swapped(model):
+        pass
+    ema.copy_to(model)
+
+
+def test_wrappers_bind_to_the_same_names():
+    model = TiedNet()
+    plain = fused_ema.ModelEma(model).names()
+    assert fused_ema.ModelEma(torch.compile(model)).names() == plain
+    assert fused_ema.ModelEma(nn.DataParallel(model)).names() == plain
+    assert "head.weight" in plain and "embed.weight" in plain
+
+
+def test_stats_report_distance_window_and_non_finite():
+    torch.manual_seed(6)
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = fused_ema.ModelEma(model, decay=0.99)
+    ema.update(model)
+    stats = ema.stats(model)
+    assert stats["relative_distance"] == 0.0 and stats["step"] == 1
+    for _ in range(10):
+        train_step(model, opt)
+        ema.update(model)
+    stats = ema.stats(model)
+    assert stats["relative_distance"] > 0
+    assert stats["window"] == pytest.approx(100.0)
+    assert stats["averaged"] == 8 and stats["copied"] == 1 and stats["untracked"] == 0
+    assert stats["ema_nan"] == 0
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.nan
+    ema.update(model)
+    assert ema.stats(model)["ema_nan"] == 1 and ema.stats(model)["model_nan"] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(decay=1.5), "decay"),
+        (dict(decay=-0.1), "decay"),
+        (dict(min_decay=0.99999), "min_decay"),
+        (dict(warmup=(0.0, 1.0)), "warmup"),
+        (dict(warmup="yes"), "warmup"),
+        (dict(update_every=0), "update_every"),
+        (dict(update_after_step=-1), "update_after_step"),
+        (dict(buffers="sometimes"), "buffers"),
+        (dict(on_mismatch="ignore"), "on_mismatch"),
+        (dict(dtype=torch.int32), "dtype"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fused_ema.ModelEma(small_mlp(), **kwargs)

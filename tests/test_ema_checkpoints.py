@@ -1,0 +1,291 @@
+"""Checkpoints: round trips across dtypes, files and the peers' formats (written by the real
+packages where they install here: ema-pytorch, torch_ema, torch's AveragedModel; the documented
+layout for timm and diffusers). Every rejected checkpoint leaves the EMA bit-identical, and one
+error lists every problem."""
+
+import pytest
+import torch
+from ema_helpers import TiedNet, small_mlp, train_step
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import fused_ema
+
+
+def trained_pair(steps=6, seed=0, **ema_kwargs):
+    torch.manual_seed(seed)
+    model = small_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ema = fused_ema.ModelEma(model, **{"decay": 0.9, **ema_kwargs})
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        train_step(model, opt, g)
+        ema.update(model)
+    return model, ema
+
+
+def frozen(ema):
+    return {k: v.clone() for k, v in ema.state_dict()["weights"].items()}, ema.step, ema.schedule
+
+
+def assert_untouched(ema, before):
+    weights, step, schedule = before
+    now = ema.state_dict()["weights"]
+    for name, value in weights.items():
+        assert torch.equal(now[name], value), f"{name} changed by a rejected load"
+    assert ema.step == step and ema.schedule == schedule
+
+
+def assert_weights_equal(ema, expected: dict):
+    now = ema.state_dict()["weights"]
+    for name, value in expected.items():
+        assert torch.equal(now[name], value.to(now[name].dtype)), name
+
+
+def test_round_trip_restores_weights_step_and_schedule(tmp_path):
+    model, source = trained_pair(warmup=(2.0, 0.5), update_after_step=2, update_every=2)
+    torch.save(source.state_dict(), tmp_path / "ema.pt")
+    target = fused_ema.ModelEma(model, decay=0.5)  # a resumed run: same model, fresh EMA
+    result = target.load_state_dict(tmp_path / "ema.pt")
+    assert result == fused_ema.LoadResult("fused_ema", [], [], [])
+    assert_weights_equal(target, source.state_dict()["weights"])
+    assert target.step == source.step and target.schedule == source.schedule
+    assert target.current_decay == source.current_decay
+    source.update(model)
+    target.update(model)
+    assert_weights_equal(target, source.state_dict()["weights"])
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        (torch.float32, torch.float64),
+        (torch.float64, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_round_trip_across_dtypes(saved, loaded, recwarn):
+    _, source = trained_pair(dtype=saved)
+    target = fused_ema.ModelEma(small_mlp(), decay=0.9, dtype=loaded)
+    target.load_state_dict(source.state_dict())
+    for name, value in source.state_dict()["weights"].items():
+        got = target.state_dict()["weights"][name]
+        assert got.dtype == (loaded if value.is_floating_point() else value.dtype)
+        assert torch.equal(got, value.to(got.dtype)), name
+
+
+def test_tied_weights_load_from_either_name():
+    torch.manual_seed(0)
+    model = TiedNet()
+    source = fused_ema.ModelEma(model, decay=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, opt)
+    source.update(model)
+    state = source.state_dict()
+    assert "head.weight" in state["weights"] and "embed.weight" in state["weights"]
+    del state["weights"]["head.weight"]
+    target = fused_ema.ModelEma(TiedNet(), decay=0.5)
+    target.load_state_dict(state)
+    assert torch.equal(target.module.head.weight, source.module.embed.weight)
+
+
+# ------------------------------------------------------------------------- rejections
+
+
+def rejected(ema, state, *messages, strict=True):
+    before = frozen(ema)
+    with pytest.raises(fused_ema.CheckpointError) as info:
+        ema.load_state_dict(state, strict=strict)
+    for message in messages:
+        assert message in str(info.value), str(info.value)
+    assert_untouched(ema, before)
+    return info.value
+
+
+def test_missing_unexpected_reshaped_and_wrong_dtype_all_in_one_error():
+    _, ema = trained_pair()
+    state = ema.state_dict()
+    weights = {k: v.clone() for k, v in state["weights"].items()}
+    del weights["0.bias"]
+    weights["extra.weight"] = torch.zeros(2)
+    weights["3.weight"] = torch.zeros(5, 16)
+    weights["1.num_batches_tracked"] = torch.tensor(1.5)
+    weights["0.weight"] = torch.zeros(16, 6, dtype=torch.int32)
+    state["weights"] = weights
+    err = rejected(
+        ema,
+        state,
+        "missing from the checkpoint: 0.bias",
+        "not in this EMA: extra.weight",
+        "3.weight: shape [5, 16]",
+        "1.num_batches_tracked: dtype torch.float32",
+        "0.weight: dtype torch.int32",
+    )
+    assert len(err.problems) == 5
+
+
+def test_strict_false_loads_what_matches_and_reports_the_rest():
+    _, source = trained_pair(seed=3)
+    _, target = trained_pair(seed=4)
+    state = source.state_dict()
+    weights = {k: v for k, v in state["weights"].items() if k != "0.bias"}
+    weights["3.weight"] = torch.zeros(5, 16)
+    weights["stray"] = torch.zeros(1)
+    state["weights"] = weights
+    old_bias = target.state_dict()["weights"]["0.bias"].clone()
+    old_head = target.state_dict()["weights"]["3.weight"].clone()
+    result = target.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["0.bias"] and result.unexpected_keys == ["stray"]
+    assert result.mismatched_keys == ["3.weight"]
+    now = target.state_dict()["weights"]
+    assert torch.equal(now["0.bias"], old_bias) and torch.equal(now["3.weight"], old_head)
+    assert torch.equal(now["0.weight"], source.state_dict()["weights"]["0.weight"])
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda s: s.update(step=torch.tensor(-3)), "'step' should not be negative"),
+        (lambda s: s.update(step=2.5), "whole number"),
+        (lambda s: s.update(schedule={"decay": 2.0}), "schedule: decay must be"),
+        (lambda s: s.update(schedule={"decay": 0.9, "colour": 1}), "unknown schedule keys"),
+        (lambda s: s.update(format_version=99), "format_version 99"),
+        (lambda s: s.update(weights=[1, 2]), "'weights' is missing or not a dict"),
+    ],
+)
+def test_bad_step_schedule_and_format(mutate, message):
+    _, ema = trained_pair()
+    state = ema.state_dict()
+    mutate(state)
+    rejected(ema, state, message)
+    rejected(ema, state, message, strict=False)  # format problems stop a non-strict load too
+
+
+def test_foreign_and_broken_inputs(tmp_path):
+    model, ema = trained_pair()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rejected(ema, optimizer.state_dict(), "not an EMA checkpoint")
+    rejected(ema, [1, 2, 3], "expected a dict")
+    good = tmp_path / "good.pt"
+    torch.save(ema.state_dict(), good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    rejected(ema, truncated, "could not read it", "truncated.pt")
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all" * 10)
+    rejected(ema, garbage, "could not read it")
+    rejected(ema, tmp_path / "absent.pt", "could not read it")
+
+
+def test_meta_tensors_are_refused():
+    _, ema = trained_pair()
+    state = ema.state_dict()
+    state["weights"] = {k: torch.empty_like(v, device="meta") for k, v in state["weights"].items()}
+    rejected(ema, state, "a meta tensor holds no values")
+
+
+# ------------------------------------------------------------------------- peer formats
+
+
+def test_timm_training_checkpoint(tmp_path):
+    model, ema = trained_pair(seed=5)
+    expected = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    checkpoint = {  # timm's CheckpointSaver layout
+        "epoch": 3,
+        "arch": "mlp",
+        "version": 2,
+        "state_dict": model.state_dict(),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
+        "state_dict_ema": expected,
+        "metric": 0.5,
+    }
+    torch.save(checkpoint, tmp_path / "last.pth.tar")
+    target = fused_ema.ModelEma(small_mlp())
+    assert target.load_state_dict(tmp_path / "last.pth.tar").format == "timm checkpoint"
+    assert_weights_equal(target, expected)
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+def test_prefixed_model_state_dicts(prefix):
+    _, ema = trained_pair(seed=6)
+    expected = ema.state_dict()["weights"]
+    target = fused_ema.ModelEma(small_mlp())
+    result = target.load_state_dict({prefix + k: v for k, v in expected.items()})
+    assert result.format == "state dict"
+    assert_weights_equal(target, expected)
+
+
+def test_averaged_model_file(tmp_path):
+    torch.manual_seed(7)
+    model = small_mlp()
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        train_step(model, opt)
+        averaged.update_parameters(model)
+    torch.save(averaged.state_dict(), tmp_path / "swa.pt")
+    target = fused_ema.ModelEma(small_mlp(), decay=0.9)
+    assert target.load_state_dict(tmp_path / "swa.pt").format == "AveragedModel"
+    assert target.step == 4
+    assert_weights_equal(
+        target, {k[7:]: v for k, v in averaged.state_dict().items() if k.startswith("module.")}
+    )
+
+
+def test_ema_pytorch_file(tmp_path):
+    ema_pytorch = pytest.importorskip("ema_pytorch")
+    torch.manual_seed(8)
+    model = small_mlp()
+    theirs = ema_pytorch.EMA(model, beta=0.9, update_after_step=0, update_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        train_step(model, opt)
+        theirs.update()
+    torch.save(theirs.state_dict(), tmp_path / "ema_pytorch.pt")
+    target = fused_ema.ModelEma(small_mlp(), decay=0.9)
+    assert target.load_state_dict(tmp_path / "ema_pytorch.pt").format == "ema-pytorch"
+    assert target.step == int(theirs.step)
+    assert_weights_equal(
+        target, {k: v for k, v in theirs.ema_model.state_dict().items() if v.is_floating_point()}
+    )
+
+
+def test_torch_ema_file(tmp_path):
+    torch_ema = pytest.importorskip("torch_ema")
+    torch.manual_seed(9)
+    model = small_mlp()
+    theirs = torch_ema.ExponentialMovingAverage(model.parameters(), decay=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        train_step(model, opt)
+        theirs.update()
+    torch.save(theirs.state_dict(), tmp_path / "torch_ema.pt")
+    target = fused_ema.ModelEma(small_mlp(), decay=0.9)
+    assert target.load_state_dict(tmp_path / "torch_ema.pt", strict=False).format == "torch_ema"
+    assert target.step == 5
+    params = [n for n, _ in small_mlp().named_parameters()]
+    assert_weights_equal(target, dict(zip(params, theirs.shadow_params)))
+    # the file holds parameters only: a strict load names the buffers it lacks
+    rejected(target, tmp_path / "torch_ema.pt", "missing from the checkpoint: 1.running_mean")
+
+
+def test_diffusers_ema_model_layout():
+    torch.manual_seed(10)
+    model = small_mlp()
+    shadow = [p.detach().clone() + 1 for p in model.parameters()]
+    state = {
+        "decay": 0.9999,
+        "min_decay": 0.0,
+        "optimization_step": 42,
+        "update_after_step": 0,
+        "use_ema_warmup": False,
+        "inv_gamma": 1.0,
+        "power": 2 / 3,
+        "shadow_params": shadow,
+    }
+    target = fused_ema.ModelEma(model, buffers="ignore")
+    assert target.load_state_dict(state).format == "diffusers EMAModel"
+    assert target.step == 42
+    names = [n for n, _ in model.named_parameters()]
+    assert_weights_equal(target, dict(zip(names, shadow)))
+    state["shadow_params"] = shadow[:-1]
+    rejected(target, state, "it holds 5 parameters in order but the model has 6")

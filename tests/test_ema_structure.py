@@ -1,0 +1,179 @@
+"""Structure changes are found by name, never paired by position: added, removed, reshaped and
+replaced tensors raise one error listing them all (on_mismatch="error") or are followed
+("resync"). swapped() and copy_to() match by name and restore even when the block raises."""
+
+import pytest
+import torch
+from ema_helpers import small_mlp, train_step
+from torch import nn
+
+import fused_ema
+
+
+def trained(model, steps=3, seed=0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        train_step(model, opt, g)
+    return model
+
+
+def snapshot(ema):
+    return {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+
+
+def assert_unchanged(ema, before):
+    after = ema.state_dict()["weights"]
+    assert set(after) == set(before)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 4)
+
+
+def test_error_lists_every_added_removed_reshaped_and_replaced_name():
+    model = Net()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    ema.update(model)
+    before, step = snapshot(ema), ema.step
+    model.stem = nn.Linear(6, 16)  # replaced, same shape
+    model.head = nn.Linear(16, 7)  # reshaped
+    model.extra = nn.Linear(7, 2)  # added
+    del model.norm  # removed, with its buffers
+    with pytest.raises(fused_ema.StructureMismatchError) as info:
+        ema.update(model)
+    err = info.value
+    assert set(err.added) == {"extra.weight", "extra.bias"}
+    assert set(err.removed) == {
+        "norm.weight",
+        "norm.bias",
+        "norm.running_mean",
+        "norm.running_var",
+        "norm.num_batches_tracked",
+    }
+    assert [r.split(" ")[0] for r in err.reshaped] == ["head.weight", "head.bias"]
+    assert set(err.replaced) == {"stem.weight", "stem.bias"}
+    assert "resync" in str(err)
+    assert_unchanged(ema, before)
+    assert ema.step == step
+
+
+def test_inserted_module_is_not_mispaired():
+    # Pairing by position would average the new layer into the old one's EMA.
+    torch.manual_seed(1)
+    model = trained(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    ema = fused_ema.ModelEma(model, decay=0.5, on_mismatch="resync")
+    ema.update(model)
+    old_second = ema.module[1].weight.detach().clone()
+    model.insert(1, nn.Linear(4, 4))  # the old "1" becomes "2"
+    ema.update(model)
+    names = ema.names()
+    assert names[:6] == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    # the name "1.*" now belongs to the inserted layer: same shape, so its entry is kept and
+    # averaged toward the new tensor; "2.*" is new and starts from the model
+    assert torch.equal(ema.module[2].weight, model[2].weight)
+    expected = old_second + 0.5 * (model[1].weight.detach() - old_second)
+    torch.testing.assert_close(ema.module[1].weight, expected)
+
+
+def test_resync_mode_follows_a_replaced_head():
+    torch.manual_seed(2)
+    model = trained(small_mlp())
+    ema = fused_ema.ModelEma(model, decay=0.9, on_mismatch="resync")
+    ema.update(model)
+    kept = ema.module[0].weight.detach().clone()
+    model[3] = nn.Linear(16, 2)  # a new head, as when fine-tuning for classification
+    trained(model, 1, seed=3)
+    ema.update(model)
+    assert ema.module[3].weight.shape == (2, 16)
+    assert torch.equal(ema.state_dict()["weights"]["3.weight"], model[3].weight)  # starts there
+    assert not torch.equal(ema.module[0].weight, kept)  # the body keeps averaging
+    torch.testing.assert_close(ema.module[0].weight, kept + 0.1 * (model[0].weight - kept))
+
+
+def test_explicit_resync_then_update():
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    model.append(nn.Linear(4, 3))
+    with pytest.raises(fused_ema.StructureMismatchError):
+        ema.update(model)
+    ema.resync(model)
+    ema.update(model)
+    assert "4.weight" in ema.names()
+    assert ema.module[4].out_features == 3
+
+
+def test_reshaped_in_place_is_detected():
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    ema.update(model)
+    before = snapshot(ema)
+    with torch.no_grad():
+        model[3].weight.data = torch.randn(5, 16)  # same Parameter object, new shape
+    with pytest.raises(
+        fused_ema.StructureMismatchError, match=r"3.weight \(EMA \[4, 16\], model \[5, 16\]\)"
+    ):
+        ema.update(model)
+    assert_unchanged(ema, before)
+
+
+def test_swapped_puts_ema_in_place_and_restores_after_an_exception():
+    torch.manual_seed(4)
+    model = trained(small_mlp())
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    trained(model, 2, seed=5)
+    ema.update(model)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = snapshot(ema)
+    objects = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
+    with pytest.raises(KeyError):
+        with ema.swapped(model) as inside:
+            assert inside is model
+            for name, param in model.named_parameters():
+                assert param is objects[name][0] and param.data_ptr() == objects[name][1]
+                assert torch.equal(param, expected[name])
+            with pytest.raises(RuntimeError, match="swapped"):
+                ema.update(model)
+            raise KeyError("evaluation failed")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, original[name]), name
+    assert_unchanged(ema, expected)
+
+
+def test_swapped_with_a_bf16_model_and_fp32_ema():
+    torch.manual_seed(6)
+    model = trained(small_mlp(torch.bfloat16))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    trained(model, 2, seed=7)
+    ema.update(model)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = snapshot(ema)
+    with ema.swapped(model):
+        assert torch.equal(model[0].weight, expected["0.weight"].to(torch.bfloat16))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, original[name]), name
+    assert_unchanged(ema, expected)
+
+
+def test_copy_to_writes_by_name():
+    torch.manual_seed(8)
+    model = trained(small_mlp())
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    trained(model, 2, seed=9)
+    ema.update(model)
+    target = small_mlp()
+    ema.copy_to(target)
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(target.state_dict()[name], value), name
+    other = nn.Sequential(nn.Linear(6, 16))
+    with pytest.raises(fused_ema.StructureMismatchError):
+        ema.copy_to(other)
