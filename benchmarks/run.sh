@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/env.sh
-python -m benchmarks.demo "$@"
+python -m benchmarks.bench "$@"

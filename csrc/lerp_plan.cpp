@@ -40,6 +40,20 @@ Interval memory_interval(const at::Tensor& t, const void* data, bool contiguous,
   return {lo, lo + static_cast<uintptr_t>(extent * t.element_size()), index};
 }
 
+// IntArrayRef's operator== calls memcmp, a library call that dominated the check of many tiny
+// tensors; shapes have a handful of dimensions.
+bool same_shape(c10::IntArrayRef a, c10::IntArrayRef b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (size_t d = 0; d < a.size(); ++d) {
+    if (a[d] != b[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i) {
   TORCH_CHECK(e.defined(), kOp, "ema[", i, "] is an undefined tensor");
   TORCH_CHECK(s.defined(), kOp, "src[", i, "] is an undefined tensor");
@@ -59,7 +73,7 @@ void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i) {
   TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), kOp, "unsupported dtype pair at index ", i,
                     ": ema ", dtype_name(et), ", src ", dtype_name(st),
                     "; supported (ema, src) pairs: ", supported_pairs_text());
-  TORCH_CHECK_VALUE(e.sizes() == s.sizes(), kOp, "src[", i, "] has shape ", s.sizes(), " but ema[",
+  TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), kOp, "src[", i, "] has shape ", s.sizes(), " but ema[",
                     i, "] has shape ", e.sizes());
   TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
               "] has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
@@ -128,6 +142,30 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
   }
 }
 
+bool operator==(const Interval& a, const Interval& b) {
+  return a.lo == b.lo && a.hi == b.hi && a.index == b.index;
+}
+
+// The same lists come back every training step (ModelEma, optimizer-style loops). Checking them
+// means sorting their address ranges; a thread remembers the last ranges it found free of overlap
+// and skips the sort when the new ones are identical, compared exactly.
+void check_overlap_once(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
+  thread_local std::vector<Interval> last_emas;
+  thread_local std::vector<Interval> last_srcs;
+  if (emas == last_emas && srcs == last_srcs) {
+    return;
+  }
+  last_emas = emas;
+  last_srcs = srcs;
+  try {
+    check_overlap(emas, srcs);
+  } catch (...) {
+    last_emas.clear();
+    last_srcs.clear();
+    throw;
+  }
+}
+
 // Per device: the plan under construction, the address ranges, and the pairs left for stand-ins.
 struct DeviceWork {
   explicit DeviceWork(c10::Device d) : plan(d) {}
@@ -190,7 +228,7 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
     }
   }
   for (DeviceWork& w : work) {
-    check_overlap(w.ema_ranges, w.src_ranges);
+    check_overlap_once(w.ema_ranges, w.src_ranges);
   }
 
   // Every check has passed: only now may stand-ins be made and versions move.

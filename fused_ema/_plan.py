@@ -61,7 +61,14 @@ class UpdatePlan:
         self.slots = slots
         self._refs = [_NONE if t is None else weakref.ref(t) for t in walk]
         self.signature = [placement(walk[s.walk_index]) for s in slots]
-        self.copies = [s for s in slots if not s.average]
+        # Copied (not averaged) slots, grouped by device pair for one foreach copy each.
+        self.copies: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+        for s in slots:
+            if not s.average:
+                key = (s.ema.device, walk[s.walk_index].device)
+                emas, indices = self.copies.setdefault(key, ([], []))
+                emas.append(s.ema)
+                indices.append(s.walk_index)
         self.groups: dict[torch.device, DeviceGroup] = {}
         direct: dict[torch.device, list[Slot]] = {}
         staged: dict[tuple, list[Slot]] = {}

@@ -260,8 +260,8 @@ class ModelEma:
             src = [walk[i] for i in group.direct_index] + group.staging
             lerp_(group.ema, src, self._weight_on(device, weight))
             done.add(device)
-        for slot in plan.copies:
-            slot.ema.copy_(walk[slot.walk_index])
+        for emas, indices in plan.copies.values():
+            torch._foreach_copy_(emas, [walk[i] for i in indices])
 
     @staticmethod
     def _weight_on(device: torch.device, weight: torch.Tensor) -> torch.Tensor:

@@ -238,3 +238,14 @@ def test_cuda_weight_for_cpu_ema_is_refused(lerp):
 def test_empty_lists_are_a_no_op(lerp):
     lerp([], [], 0.5)
     lerp([], [], torch.tensor(0.5))
+
+
+def test_lists_seen_before_are_checked_again_when_they_change(lerp):
+    # The overlap check remembers the last lists it cleared; a changed list must not slip by.
+    ema, src = good_lists("cpu")
+    lerp(ema, src, 0.5)
+    lerp(ema, src, 0.5)
+    aliased = list(src)
+    aliased[3] = ema[1]
+    assert_rejected(lerp, ema, aliased, 0.5, RuntimeError, r"src\[3\] shares memory with ema\[1\]")
+    assert_rejected(lerp, ema, aliased, 0.5, RuntimeError, r"src\[3\] shares memory with ema\[1\]")

@@ -1,0 +1,73 @@
+"""The benchmark's machinery, not its speed (speed is never asserted in a unit test): the main
+job runs end to end and writes its JSON, table and chart; a contender that computes the wrong
+thing is caught by the correctness check and not timed."""
+
+import json
+
+import torch
+
+from benchmarks import bench, contenders, models
+
+
+def test_main_job_writes_json_table_and_chart(tmp_path):
+    record = bench.main(
+        [
+            "--scenarios",
+            "resnet50",
+            "--devices",
+            "cpu",
+            "--rounds",
+            "1",
+            "--reps",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    written = sorted(p.suffix for p in tmp_path.iterdir())
+    assert written == [".json", ".md", ".png"]
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert saved["machine"]["cpu"] and saved["machine"]["torch"] == torch.__version__
+    (scenario,) = record["scenarios"]
+    status = {c["name"]: c["status"] for c in scenario["contenders"]}
+    assert status["fused_ema.lerp_"] == "ok" and status["torch._foreach_lerp_"] == "ok"
+    fused = next(c for c in scenario["contenders"] if c["name"] == "fused_ema.lerp_")
+    assert fused["median_ms"] > 0 and fused["vs_foreach"] > 0 and fused["pct_copy_bw"] > 0
+
+
+class WrongDecay(contenders.ForeachLerp):
+    name = "wrong decay"
+
+    def step(self):
+        torch._foreach_lerp_(self.ema_list, self.src, 0.5)
+
+
+class WrongDtype(contenders.ForeachLerp):
+    name = "bf16 EMA"
+
+    def __init__(self, model, decay, ema_dtype, ema_device):
+        super().__init__(model, decay, torch.bfloat16, ema_device)
+        self.ema_dtype = ema_dtype
+
+
+def test_correctness_check_rejects_contenders_that_compute_something_else():
+    model = models.randomize_(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+    right = contenders.FusedOp(model, 0.999, torch.float32, None)
+    right.prime()
+    assert bench.check(right, model, seed=1) is None
+    for cls, message in ((WrongDecay, "off by"), (WrongDtype, "keeps a bfloat16 EMA")):
+        contender = cls(model, 0.999, torch.float32, None)
+        contender.prime()
+        assert message in bench.check(contender, model, seed=2)
+
+
+def test_gpu_scenarios_are_defined_and_refused_without_a_gpu():
+    gpu_only = [s.name for s in bench.SCENARIOS if s.gpu_only]
+    assert gpu_only == ["cpu_ema_of_cuda_model"]
+    if not torch.cuda.is_available():
+        try:
+            bench.main(["--devices", "cuda"])
+        except SystemExit as exit_:
+            assert exit_.code != 0
+        else:
+            raise AssertionError("--devices cuda ran without a GPU")
