@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._dtensor import is_dtensor, local, sharding
 from .ops import SUPPORTED_DTYPE_PAIRS
 
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
@@ -33,12 +34,14 @@ class Slot:
 
 @dataclass
 class DeviceGroup:
-    """The averaged slots whose EMA lives on one device: one fused lerp call per update. `ema`
-    lists the slots fed straight from the model first, then the staged ones."""
+    """The averaged slots whose EMA (its local shard, for a DTensor) lives on one device: one
+    fused lerp call per update. `ema` lists the slots fed straight from plain model tensors, then
+    those fed from DTensor shards, then the staged ones."""
 
     device: torch.device
     ema: list[torch.Tensor] = field(default_factory=list)
-    direct_index: list[int] = field(default_factory=list)  # walk indices of the direct sources
+    direct_index: list[int] = field(default_factory=list)  # walk indices: plain model tensors
+    shard_index: list[int] = field(default_factory=list)  # walk indices: DTensor model tensors
     staged_index: list[int] = field(default_factory=list)  # walk indices of the staged sources
     staging: list[torch.Tensor] = field(default_factory=list)  # where each staged source lands
     wait_for: set = field(default_factory=set)  # CUDA devices whose copies land in pinned memory
@@ -53,7 +56,7 @@ def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
 
 
 def placement(t: torch.Tensor) -> tuple:
-    return (t.device, t.dtype, tuple(t.shape))
+    return (local(t).device, t.dtype, tuple(t.shape), sharding(t))
 
 
 class UpdatePlan:
@@ -63,39 +66,51 @@ class UpdatePlan:
         self.signature = [placement(walk[s.walk_index]) for s in slots]
         # Copied (not averaged) slots, grouped by device pair for one foreach copy each.
         self.copies: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
-        for s in slots:
-            if not s.average:
-                key = (s.ema.device, walk[s.walk_index].device)
-                emas, indices = self.copies.setdefault(key, ([], []))
-                emas.append(s.ema)
-                indices.append(s.walk_index)
         self.groups: dict[torch.device, DeviceGroup] = {}
         direct: dict[torch.device, list[Slot]] = {}
+        shards: dict[torch.device, list[Slot]] = {}
         staged: dict[tuple, list[Slot]] = {}
         for slot in slots:
+            ema, src = local(slot.ema), local(walk[slot.walk_index])
             if not slot.average:
+                emas, indices = self.copies.setdefault((ema.device, src.device), ([], []))
+                emas.append(ema)
+                indices.append(slot.walk_index)
                 continue
-            src = walk[slot.walk_index]
-            device = slot.ema.device
+            device = ema.device
             self.groups.setdefault(device, DeviceGroup(device))
-            if src.device == device and pair_supported(slot.ema.dtype, src.dtype):
-                direct.setdefault(device, []).append(slot)
+            if src.device == device and pair_supported(ema.dtype, src.dtype):
+                sharded = is_dtensor(walk[slot.walk_index])
+                (shards if sharded else direct).setdefault(device, []).append(slot)
             else:
-                dtype = src.dtype if pair_supported(slot.ema.dtype, src.dtype) else slot.ema.dtype
+                dtype = src.dtype if pair_supported(ema.dtype, src.dtype) else ema.dtype
                 staged.setdefault((device, src.device, dtype), []).append(slot)
         for device, group_slots in direct.items():
             group = self.groups[device]
-            group.ema += [s.ema for s in group_slots]
+            group.ema += [local(s.ema) for s in group_slots]
             group.direct_index += [s.walk_index for s in group_slots]
+        for device, group_slots in shards.items():
+            group = self.groups[device]
+            group.ema += [local(s.ema) for s in group_slots]
+            group.shard_index += [s.walk_index for s in group_slots]
         for (device, src_device, dtype), group_slots in staged.items():
             group = self.groups[device]
             pin = device.type == "cpu" and src_device.type == "cuda"
-            shapes = [walk[s.walk_index].shape for s in group_slots]
-            group.ema += [s.ema for s in group_slots]
+            shapes = [local(walk[s.walk_index]).shape for s in group_slots]
+            group.ema += [local(s.ema) for s in group_slots]
             group.staged_index += [s.walk_index for s in group_slots]
             group.staging += _staging_views(device, dtype, shapes, pin)
             if pin:
                 group.wait_for.add(src_device)
+
+    def sources(self, group: DeviceGroup, walk: list) -> list[torch.Tensor]:
+        """The model-side tensors of a group's fused call, in the order of group.ema (staged
+        sources must have been copied into group.staging first)."""
+        return (
+            [walk[i] for i in group.direct_index]
+            + [walk[i]._local_tensor for i in group.shard_index]
+            + group.staging
+        )
 
     def matches(self, walk: list[torch.Tensor]) -> bool:
         """Whether the model holds exactly the tensor objects this plan was built for."""

@@ -20,6 +20,17 @@ from typing import NamedTuple, Union
 import torch
 from torch import nn
 
+from ._dtensor import (
+    check_averageable,
+    copy_into,
+    full_value,
+    is_dtensor,
+    local,
+    reshard_fsdp,
+    sharding,
+    unsharded_names,
+)
+from ._module_view import SwappedModelView
 from ._plan import Slot, UpdatePlan
 from ._tracking import PARAM, Tracked, named_tensors, tensor_walk, unwrap_model
 from .checkpoint import FORMAT, FORMAT_VERSION, parse_checkpoint, read_file
@@ -118,7 +129,6 @@ class ModelEma:
         self._plan: UpdatePlan | None = None
         self._swapped = False
         self._module: nn.Module | None = None
-        self._module_error: BaseException | None = None
 
         model = unwrap_model(model)
         with torch.no_grad():
@@ -253,15 +263,14 @@ class ModelEma:
                 continue
             if group.staging:
                 for view, i in zip(group.staging, group.staged_index):
-                    view.copy_(walk[i], non_blocking=True)
+                    view.copy_(local(walk[i]), non_blocking=True)
                 for cuda_device in group.wait_for:
                     # copies into pinned host memory must land before the CPU kernel reads them
                     torch.cuda.current_stream(cuda_device).synchronize()
-            src = [walk[i] for i in group.direct_index] + group.staging
-            lerp_(group.ema, src, self._weight_on(device, weight))
+            lerp_(group.ema, plan.sources(group, walk), self._weight_on(device, weight))
             done.add(device)
         for emas, indices in plan.copies.values():
-            torch._foreach_copy_(emas, [walk[i] for i in indices])
+            torch._foreach_copy_(emas, [local(walk[i]) for i in indices])
 
     @staticmethod
     def _weight_on(device: torch.device, weight: torch.Tensor) -> torch.Tensor:
@@ -288,7 +297,18 @@ class ModelEma:
             dtype = self._dtype
         else:
             dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-        device = self._device if self._device is not None else t.device
+        if is_dtensor(t):
+            # A shard stays a shard: same mesh and placements, averaged where it lies.
+            check_averageable(tracked.name, t)
+            if self._device is not None and self._device != t.device:
+                raise ValueError(
+                    f"{tracked.name} is sharded (a DTensor on {t.device}); its EMA lives with its "
+                    f"shard, so device={str(self._device)!r} cannot apply. Build the EMA with "
+                    "device=None, and gather it with ema.full_state_dict() where needed."
+                )
+            device = t.device
+        else:
+            device = self._device if self._device is not None else t.device
         ema = t.to(device=device, dtype=dtype, copy=True)
         if tracked.kind == PARAM:
             ema = nn.Parameter(ema, requires_grad=False)
@@ -302,6 +322,7 @@ class ModelEma:
         if plan is not None and plan.matches(walk):
             return plan
         tracked = self._named(model)
+        self._refuse_unsharded(tracked)
         mismatch = self._mismatch(tracked)
         if mismatch:
             if self.on_mismatch == "error":
@@ -310,6 +331,22 @@ class ModelEma:
         self._rebind(tracked)
         self._plan = self._build_plan(walk)
         return self._plan
+
+    def _refuse_unsharded(self, tracked: list[Tracked]) -> None:
+        pairs = [
+            (n, self._by_name[n].ema, t.tensor)
+            for t in tracked
+            for n in t.names
+            if n in self._by_name
+        ]
+        names = unsharded_names(pairs)
+        if names:
+            raise RuntimeError(
+                f"{len(names)} sharded tensors of the model are unsharded right now (e.g. "
+                f"{names[0]}): an FSDP2 model between forward and backward, or after an "
+                "evaluation forward. Update the EMA after optimizer.step(), or call "
+                "model.reshard() first."
+            )
 
     def _mismatch(self, tracked: list[Tracked]) -> StructureMismatchError:
         current = {name: t for t in tracked for name in t.names}
@@ -384,7 +421,7 @@ class ModelEma:
         for entry in self._entries:
             src = entry.bound()
             index = position[id(src)]
-            if self._device is None and entry.ema.device != src.device:
+            if self._device is None and not is_dtensor(src) and entry.ema.device != src.device:
                 entry.ema.data = entry.ema.data.to(src.device)  # follow the model (same object)
             slots.append(Slot(entry.ema, index, entry.average))
         self._place_schedule()
@@ -392,8 +429,8 @@ class ModelEma:
 
     def _schedule_device(self) -> torch.device:
         for entry in self._entries:
-            if entry.ema.device.type != "cpu":
-                return entry.ema.device
+            if local(entry.ema).device.type != "cpu":
+                return local(entry.ema).device
         return torch.device("cpu")
 
     def _place_schedule(self) -> None:
@@ -415,14 +452,10 @@ class ModelEma:
 
     @property
     def module(self) -> nn.Module:
-        """An nn.Module in eval mode whose weights are this EMA's tensors (shared, not copied):
-        the model's structure (copied without its tensors) with the EMA in place."""
-        if self._module is None:
-            raise RuntimeError(
-                "ema.module could not be built: copying the model's structure failed with "
-                f"{type(self._module_error).__name__}: {self._module_error}. Evaluate with "
-                "`with ema.swapped(model): ...` or ema.copy_to(model) instead."
-            ) from self._module_error
+        """An nn.Module in eval mode evaluating the EMA weights. Normally the model's structure
+        (copied without its tensors) with the EMA tensors as its weights: shared, not stored twice.
+        For a model deepcopy refuses (FSDP2, or one holding locks or handles) it runs the model
+        itself with the EMA swapped in for each call (see swapped())."""
         return self._module
 
     def _build_module(self, model: nn.Module) -> None:
@@ -433,11 +466,10 @@ class ModelEma:
             source = entry.bound()
             if source is not None:
                 memo[id(source)] = entry.ema
-        self._module, self._module_error = None, None
         try:
             self._module = copy.deepcopy(model, memo).eval().requires_grad_(False)
-        except Exception as err:  # the model holds something deepcopy cannot copy
-            self._module_error = err
+        except Exception:  # FSDP2, or something else deepcopy cannot copy
+            self._module = SwappedModelView(self, model)
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
@@ -445,16 +477,18 @@ class ModelEma:
         also when the block raises. The tensors stay the same objects at the same addresses, so
         optimizers, hooks and compiled graphs see the EMA weights."""
         self._refuse_inside_swapped("swapped")
-        pairs = self._pairs_with(unwrap_model(model))
+        model = unwrap_model(model)
+        pairs = self._pairs_with(model)
         exchanged, saved = [], []
         with torch.no_grad():
-            for entry, target in pairs:
-                if target.dtype == entry.ema.dtype and target.device == entry.ema.device:
-                    _exchange(target, entry.ema)
-                    exchanged.append((entry.ema, target))
+            for entry, model_tensor in pairs:
+                target, ema = local(model_tensor), local(entry.ema)
+                if target.dtype == ema.dtype and target.device == ema.device:
+                    _exchange(target, ema)
+                    exchanged.append((ema, target))
                 else:
                     saved.append((target, target.clone()))
-                    target.copy_(entry.ema)
+                    target.copy_(ema)
         self._swapped = True
         try:
             yield model
@@ -464,6 +498,8 @@ class ModelEma:
                     _exchange(target, ema)
                 for target, original in saved:
                     target.copy_(original)
+            # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's weights.
+            reshard_fsdp(model)
             self._swapped = False
 
     def copy_to(self, model: nn.Module) -> None:
@@ -471,16 +507,22 @@ class ModelEma:
         self._refuse_inside_swapped("copy_to")
         with torch.no_grad():
             for entry, target in self._pairs_with(unwrap_model(model)):
-                target.copy_(entry.ema)
+                copy_into(target, entry.ema)
 
     def _pairs_with(self, model: nn.Module) -> list[tuple[_Entry, torch.Tensor]]:
-        current = {name: t for t in self._named(model) for name in t.names}
+        tracked = self._named(model)
+        self._refuse_unsharded(tracked)
+        current = {name: t for t in tracked for name in t.names}
         missing = [e.name for e in self._entries if e.name not in current]
         extra = [n for n in current if n not in self._by_name]
         reshaped = [
             e.name
             for e in self._entries
-            if e.name in current and tuple(current[e.name].tensor.shape) != tuple(e.ema.shape)
+            if e.name in current
+            and (
+                tuple(current[e.name].tensor.shape) != tuple(e.ema.shape)
+                or sharding(current[e.name].tensor) != sharding(e.ema)
+            )
         ]
         if missing or extra or reshaped:
             raise StructureMismatchError(
@@ -549,7 +591,7 @@ class ModelEma:
             raise CheckpointError(listed, source)
         with torch.no_grad():
             for entry, tensor in pairs:
-                entry.ema.copy_(tensor)
+                copy_into(entry.ema, tensor)
             if parsed.step is not None:
                 self._step.fill_(parsed.step)
             if schedule is not None:
@@ -589,7 +631,8 @@ class ModelEma:
     # ------------------------------------------------------------------ diagnostics
 
     def stats(self, model: nn.Module | None = None) -> dict:
-        """Health of the average (reads device tensors: not for the hot loop).
+        """Health of the average (reads device tensors: not for the hot loop). For a sharded EMA
+        the counts and distances cover this rank's shards.
 
         With `model`: the relative distance ||ema - model|| / ||model|| over averaged tensors, and
         the fraction of averaged elements that an update with the latest weight would leave
@@ -604,8 +647,8 @@ class ModelEma:
             "tracked": len(self._entries),
             "averaged": len(averaged),
             "copied": len(self._entries) - len(averaged),
-            "ema_nan": sum(int(e.ema.isnan().sum()) for e in averaged),
-            "ema_inf": sum(int(e.ema.isinf().sum()) for e in averaged),
+            "ema_nan": sum(int(local(e.ema).isnan().sum()) for e in averaged),
+            "ema_inf": sum(int(local(e.ema).isinf().sum()) for e in averaged),
         }
         if model is None:
             return stats
@@ -618,23 +661,53 @@ class ModelEma:
         with torch.no_grad():
             for e in averaged:
                 m = current.get(e.name)
-                if m is None or m.tensor.shape != e.ema.shape:
+                if (
+                    m is None
+                    or m.tensor.shape != e.ema.shape
+                    or sharding(m.tensor) != sharding(e.ema)
+                ):
                     continue
-                src = m.tensor.detach().to(e.ema.device)
-                diff2 += float((e.ema.double() - src.double()).square().sum())
+                ema = local(e.ema)
+                src = local(m.tensor).detach().to(ema.device)
+                diff2 += float((ema.double() - src.double()).square().sum())
                 ref2 += float(src.double().square().sum())
-                moved = e.ema.clone()
-                lerp_([moved], [src.to(e.ema.dtype)], weight)
-                unchanged += int((moved == e.ema).sum())
-                total += e.ema.numel()
+                moved = ema.clone()
+                lerp_([moved], [src.to(ema.dtype)], weight)
+                unchanged += int((moved == ema).sum())
+                total += ema.numel()
             stats["model_nan"] = sum(
-                int(t.tensor.isnan().sum())
+                int(local(t.tensor).isnan().sum())
                 for t in current.values()
                 if t.tensor.is_floating_point()
             )
         stats["relative_distance"] = math.sqrt(diff2 / ref2) if ref2 > 0 else 0.0
         stats["unchanged_fraction"] = unchanged / total if total else 0.0
         return stats
+
+    def full_state_dict(self, rank: int | None = 0, cpu_offload: bool = True) -> dict:
+        """Whole, plain EMA tensors by name (a model state dict: ``model.load_state_dict`` takes
+        it), for export or evaluation. A sharded (DTensor) EMA is gathered, which is a collective:
+        every rank must call this. With `rank`, only that rank keeps the result and the others get
+        {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
+        self._refuse_inside_swapped("full_state_dict")
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized()
+        keep = rank is None or not distributed or dist.get_rank() == rank
+        out = {}
+        with torch.no_grad():
+            for entry in self._entries:
+                value = full_value(entry.ema.detach())  # every rank joins the gather
+                if not keep:
+                    continue
+                value = value.to("cpu") if cpu_offload else value
+                if (
+                    value.untyped_storage().data_ptr()
+                    == local(entry.ema).untyped_storage().data_ptr()
+                ):
+                    value = value.clone()  # a copy, never the live EMA
+                for name in entry.names:
+                    out[name] = value
+        return out
 
     def _warn_precision(self) -> None:
         low = sorted(

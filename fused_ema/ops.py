@@ -9,6 +9,7 @@ from typing import Union
 
 import torch
 
+from ._dtensor import any_dtensor, shard_lists
 from ._loader import _C
 from ._version import __version__
 
@@ -55,6 +56,8 @@ def lerp_(
     # anything the dispatcher must see (compile, modes, subclasses) goes through torch.ops.
     if not torch.compiler.is_compiling() and _C._lerp_eager(ema, src, weight):
         return
+    if any_dtensor(ema) or any_dtensor(src):
+        ema, src = shard_lists(ema, src)
     try:
         op(ema, src, weight)
     except NotImplementedError as err:

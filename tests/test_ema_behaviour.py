@@ -229,17 +229,32 @@ class Locked(nn.Module):
         self.net = small_mlp()
         self.lock = threading.Lock()
 
+    def forward(self, x):
+        return self.net(x)
+
 
 def test_model_that_cannot_be_deepcopied():
+    torch.manual_seed(7)
     model = Locked()
     ema = fused_ema.ModelEma(model, decay=0.5)  # no deepcopy needed to average
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ema.update(model)
+    train_step(model.net, opt)
     ema.update(model)
-    with pytest.raises(RuntimeError, match="swapped"):
-        _ = ema.module
-    with ema.swapped(model):
-        pass
-    ema.copy_to(model)
+    # ema.module runs the model itself, in eval mode, with the EMA swapped in for the call
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = Locked()
+    ema.copy_to(reference)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        got = ema.module(x)
+        expected = reference.eval()(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert model.training and model.net[1].training  # modes restored
+    for name, value in before.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert set(ema.module.state_dict()) == set(ema.names())
 
 
 def test_wrappers_bind_to_the_same_names():

@@ -1,0 +1,108 @@
+"""DTensor (FSDP2, tensor parallel) support: an EMA of a sharded parameter is a DTensor with the
+same mesh and placements, and every update runs the fused kernel on the local shards only, so no
+collective ever happens in update(). Works without torch.distributed too (nothing is a DTensor).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+except ImportError:  # a torch built without distributed support
+    DTensor = FSDPModule = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds (the same tensor object every call, unlike to_local())."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def sharding(t: torch.Tensor):
+    """What must match between an EMA tensor and its model tensor beyond shape and dtype."""
+    if not is_dtensor(t):
+        return None
+    return (t.device_mesh, tuple(t.placements))
+
+
+def check_averageable(name: str, t: torch.Tensor) -> None:
+    if is_dtensor(t) and any(isinstance(p, Partial) for p in t.placements):
+        raise ValueError(
+            f"{name} is a DTensor with a Partial placement (a pending reduction); "
+            "average it after the reduction"
+        )
+
+
+def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `full` (held whole by every rank) as `like` is laid out; no
+    communication."""
+    full = full.to(device=like.device)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
+    """ema <- value for any mix of plain tensors and DTensors (cast to the EMA's device/dtype)."""
+    if ema is value:
+        return
+    if not is_dtensor(ema):
+        local(ema).copy_(value.full_tensor() if is_dtensor(value) else value)
+    elif is_dtensor(value):
+        if sharding(value) != sharding(ema):
+            value = value.redistribute(ema.device_mesh, ema.placements)
+        local(ema).copy_(local(value))
+    else:
+        local(ema).copy_(shard_of(value, ema))
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an all-gather for a DTensor (every rank must call), else t itself."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def any_dtensor(tensors) -> bool:
+    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
+
+
+def shard_lists(ema: list, src: list) -> tuple[list, list]:
+    """The local shards of DTensor pairs sharded alike: lerp is elementwise, so each rank
+    updating its own shard is the whole update."""
+    ema_local, src_local = [], []
+    for i, (e, s) in enumerate(zip(ema, src)):
+        if is_dtensor(e) != is_dtensor(s):
+            which, other = ("ema", "src") if is_dtensor(e) else ("src", "ema")
+            raise ValueError(f"fused_ema.lerp_: {which}[{i}] is a DTensor but {other}[{i}] is not")
+        if is_dtensor(e):
+            check_averageable(f"src[{i}]", s)
+            if sharding(e) != sharding(s):
+                raise ValueError(
+                    f"fused_ema.lerp_: ema[{i}] and src[{i}] are sharded differently "
+                    f"({e.placements} on {e.device_mesh} vs {s.placements} on {s.device_mesh})"
+                )
+        ema_local.append(local(e))
+        src_local.append(local(s))
+    return ema_local, src_local
+
+
+def reshard_fsdp(model) -> None:
+    """Puts every FSDP2 module back in its sharded state, dropping unsharded parameters that a
+    forward pass left behind (after ema.swapped(), they would hold the EMA's weights)."""
+    if FSDPModule is None:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def unsharded_names(pairs) -> list[str]:
+    """Names whose EMA is sharded while the model's tensor is not: an FSDP2 model between its
+    forward and backward (or after an evaluation forward) holds unsharded parameters."""
+    return [
+        name
+        for name, ema, model_tensor in pairs
+        if is_dtensor(ema) and not is_dtensor(model_tensor)
+    ]
