@@ -88,7 +88,10 @@ void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
   TORCH_CHECK(!(weight.requires_grad() && c10::GradMode::is_enabled()), kOp,
               "weight requires grad; the EMA update is not differentiable");
   if (weight.is_cpu()) {
-    lerp(ema, src, weight.item<double>());
+    // A CPU scalar is read where it lies: one number needs no trip through the dispatcher.
+    const double value = type == at::kFloat ? static_cast<double>(*weight.const_data_ptr<float>())
+                                            : *weight.const_data_ptr<double>();
+    lerp(ema, src, value);
   } else {
     run(ema, src, {0.0, &weight});
   }

@@ -4,7 +4,8 @@ reusable staging buffers, and the tensors that are copied rather than averaged (
 
 A plan is built when the model's structure or placement changes and reused otherwise. It keeps no
 reference to the model, only weak references that tell whether the model still holds the same
-tensor objects.
+tensor objects. A snapshot plan (non_blocking updates) stages every source of a CPU EMA, so the
+model may change as soon as the copies have been issued.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class DeviceGroup:
     staging: list[torch.Tensor] = field(default_factory=list)  # where each staged source lands
     wait_for: set = field(default_factory=set)  # CUDA devices whose copies land in pinned memory
 
+    def staged_sources(self, walk: list):
+        """(staging view, model tensor) pairs: the copies to issue before the fused call."""
+        return [(view, local(walk[i])) for view, i in zip(self.staging, self.staged_index)]
+
 
 def _NONE():  # stands in for weakref.ref(None): a parameter registered as None
     return None
@@ -60,26 +65,35 @@ def placement(t: torch.Tensor) -> tuple:
 
 
 class UpdatePlan:
-    def __init__(self, slots: list[Slot], walk: list[torch.Tensor]):
+    def __init__(self, slots: list[Slot], walk: list[torch.Tensor], snapshot: bool = False):
         self.slots = slots
+        self.snapshot = snapshot
         self._refs = [_NONE if t is None else weakref.ref(t) for t in walk]
         self.signature = [placement(walk[s.walk_index]) for s in slots]
         # Copied (not averaged) slots, grouped by device pair for one foreach copy each.
         self.copies: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+        self.staged_copies: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # (ema, walk, view)
         self.groups: dict[torch.device, DeviceGroup] = {}
         direct: dict[torch.device, list[Slot]] = {}
         shards: dict[torch.device, list[Slot]] = {}
         staged: dict[tuple, list[Slot]] = {}
         for slot in slots:
             ema, src = local(slot.ema), local(walk[slot.walk_index])
+            snap = snapshot and ema.device.type == "cpu"
             if not slot.average:
+                if snap:
+                    (view,) = _staging_views(
+                        ema.device, src.dtype, [src.shape], pin=src.device.type == "cuda"
+                    )
+                    self.staged_copies.append((ema, slot.walk_index, view))
+                    continue
                 emas, indices = self.copies.setdefault((ema.device, src.device), ([], []))
                 emas.append(ema)
                 indices.append(slot.walk_index)
                 continue
             device = ema.device
             self.groups.setdefault(device, DeviceGroup(device))
-            if src.device == device and pair_supported(ema.dtype, src.dtype):
+            if not snap and src.device == device and pair_supported(ema.dtype, src.dtype):
                 sharded = is_dtensor(walk[slot.walk_index])
                 (shards if sharded else direct).setdefault(device, []).append(slot)
             else:

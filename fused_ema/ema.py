@@ -14,6 +14,7 @@ import math
 import os
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
@@ -31,7 +32,7 @@ from ._dtensor import (
     unsharded_names,
 )
 from ._module_view import SwappedModelView
-from ._plan import Slot, UpdatePlan
+from ._plan import Slot, UpdatePlan, pair_supported
 from ._tracking import PARAM, Tracked, named_tensors, tensor_walk, unwrap_model
 from .checkpoint import FORMAT, FORMAT_VERSION, parse_checkpoint, read_file
 from .errors import CheckpointError, PrecisionWarning, StructureMismatchError
@@ -128,6 +129,9 @@ class ModelEma:
         self._dtype = dtype
         self._plan: UpdatePlan | None = None
         self._swapped = False
+        self._pending: Future | None = None  # a non_blocking update's worker job
+        self._worker: ThreadPoolExecutor | None = None
+        self._side_streams: dict = {}
         self._module: nn.Module | None = None
 
         model = unwrap_model(model)
@@ -151,11 +155,13 @@ class ModelEma:
     @property
     def step(self) -> int:
         """Updates counted so far (or the last step passed to update). Reads a device tensor."""
+        self.synchronize()
         return int(self._step.item())
 
     @property
     def current_decay(self) -> float:
         """The per-step decay of the latest step (0.0 while copying). Reads a device tensor."""
+        self.synchronize()
         return float(self._out[1].item())
 
     @property
@@ -172,24 +178,77 @@ class ModelEma:
 
     # ------------------------------------------------------------------ updating
 
-    def update(self, model: nn.Module, step: int | torch.Tensor | None = None) -> None:
+    def update(
+        self, model: nn.Module, step: int | torch.Tensor | None = None, non_blocking: bool = False
+    ) -> None:
         """One EMA step toward `model`'s current weights.
 
         `step` (an int or a tensor, e.g. the optimizer's step count from 1) drives warmup,
         update_after_step and update_every; without it the EMA counts its own updates. With
         model and EMA on one device this issues no host sync.
+
+        `non_blocking=True` (for an EMA kept on the CPU) returns at once: the model's tensors are
+        copied into pinned staging buffers on a side stream that the training stream waits for
+        (so the next optimizer step cannot overwrite them first), and the CPU update runs on a
+        worker thread. ema.synchronize() waits for it; so does every read of the EMA, and an
+        error in the worker is raised by the next call.
         """
-        self._refuse_inside_swapped("update")
+        if torch.compiler.is_compiling():
+            return self._update_traced(unwrap_model(model), step)
+        self._ready("update")
         model = unwrap_model(model)
         with torch.no_grad():
             walk = tensor_walk(model, self._with_buffers)
-            plan = self._plan_for(model, walk)
+            plan = self._plan_for(model, walk, snapshot=non_blocking)
             undo = self._advance(step)
             try:
-                self._apply(model, walk, plan)
+                if non_blocking:
+                    self._start_async(plan, walk)
+                else:
+                    self._apply(model, walk, plan)
             except BaseException:
                 undo()
                 raise
+
+    def synchronize(self) -> None:
+        """Waits for a non_blocking update still running, raising the error it ended with."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _update_traced(self, model: nn.Module, step) -> None:
+        """update() as torch.compile sees it: only tensor operations (the schedule op, one fused
+        lerp per EMA device, a foreach copy), with the tensor pairing resolved while tracing.
+        Dynamo guards on the model's structure, so a changed model is traced again."""
+        sources = dict(model.named_parameters(remove_duplicate=False))
+        sources.update(model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            if step is None:
+                self._run_schedule(advance=True)
+            else:
+                if isinstance(step, torch.Tensor):
+                    self._step.copy_(step.reshape(()))
+                else:
+                    self._step.fill_(step)
+                self._run_schedule(advance=False)
+            weight = self._out[0]
+            emas: dict = {}
+            srcs: dict = {}
+            copy_emas, copy_srcs = [], []
+            for entry in self._entries:
+                ema, src = entry.ema, sources[entry.name].detach()
+                if not entry.average:
+                    copy_emas.append(ema)
+                    copy_srcs.append(src.to(ema.device))
+                    continue
+                if src.device != ema.device or not pair_supported(ema.dtype, src.dtype):
+                    src = src.to(device=ema.device, dtype=ema.dtype)
+                emas.setdefault(ema.device, []).append(ema)
+                srcs.setdefault(ema.device, []).append(src)
+            for device, ema_list in emas.items():
+                lerp_(ema_list, srcs[device], self._weight_on(device, weight))
+            if copy_emas:
+                torch._foreach_copy_(copy_emas, copy_srcs)
 
     def _advance(self, step):
         """Moves the step counter and schedules this step's weight; returns how to undo it."""
@@ -272,6 +331,54 @@ class ModelEma:
         for emas, indices in plan.copies.values():
             torch._foreach_copy_(emas, [local(walk[i]) for i in indices])
 
+    def _start_async(self, plan: UpdatePlan, walk) -> None:
+        """Issues the copies of a non_blocking update and hands the CPU work to the worker."""
+        weight = self._out[0]
+        skipped = weight.device.type == "cpu" and float(weight) == 0.0  # a CPU read
+        cpu_groups, copies = [], []
+        for device, group in plan.groups.items():
+            if device.type != "cpu":  # a device EMA updates in stream order anyway
+                self._run_plan(_only(plan, device), walk, set())
+            elif not skipped:
+                copies += group.staged_sources(walk)
+                cpu_groups.append(group)
+        copies += [(view, local(walk[i])) for _, i, view in plan.staged_copies]
+        for emas, indices in plan.copies.values():
+            torch._foreach_copy_(emas, [local(walk[i]) for i in indices])
+        if not cpu_groups and not plan.staged_copies:
+            return
+        events = self._issue_copies(copies)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_ema")
+        self._pending = self._worker.submit(
+            _finish_async, cpu_groups, plan.staged_copies, events, weight
+        )
+
+    def _issue_copies(self, copies) -> list:
+        """Starts the copies into staging: CPU sources at once, GPU sources on a side stream that
+        first waits for the training stream; the training stream then waits for the copies, so
+        no later kernel (the next optimizer step) writes a weight before it has been read."""
+        events, by_device = [], {}
+        for view, src in copies:
+            if src.device.type == "cuda":
+                by_device.setdefault(src.device, []).append((view, src))
+            else:
+                view.copy_(src)
+        for device, pairs in by_device.items():
+            current = torch.cuda.current_stream(device)
+            side = self._side_streams.get(device)
+            if side is None:
+                side = self._side_streams[device] = torch.cuda.Stream(device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                for view, src in pairs:
+                    view.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            current.wait_event(done)
+            events.append(done)
+        return events
+
     @staticmethod
     def _weight_on(device: torch.device, weight: torch.Tensor) -> torch.Tensor:
         if weight.device.type == "cpu" or weight.device == device:
@@ -317,10 +424,13 @@ class ModelEma:
     def _index_names(self) -> None:
         self._by_name = {name: e for e in self._entries for name in e.names}
 
-    def _plan_for(self, model, walk) -> UpdatePlan:
+    def _plan_for(self, model, walk, snapshot: bool = False) -> UpdatePlan:
         plan = self._plan
         if plan is not None and plan.matches(walk):
-            return plan
+            if plan.snapshot == snapshot:
+                return plan
+            self._plan = self._build_plan(walk, snapshot)
+            return self._plan
         tracked = self._named(model)
         self._refuse_unsharded(tracked)
         mismatch = self._mismatch(tracked)
@@ -329,7 +439,7 @@ class ModelEma:
                 raise mismatch
             self._resync(tracked, model)
         self._rebind(tracked)
-        self._plan = self._build_plan(walk)
+        self._plan = self._build_plan(walk, snapshot)
         return self._plan
 
     def _refuse_unsharded(self, tracked: list[Tracked]) -> None:
@@ -413,7 +523,7 @@ class ModelEma:
         for t in tracked:
             self._by_name[t.name].bound = weakref.ref(t.tensor)
 
-    def _build_plan(self, walk) -> UpdatePlan:
+    def _build_plan(self, walk, snapshot: bool = False) -> UpdatePlan:
         position = {}
         for i, t in enumerate(walk):
             position.setdefault(id(t), i)
@@ -425,7 +535,7 @@ class ModelEma:
                 entry.ema.data = entry.ema.data.to(src.device)  # follow the model (same object)
             slots.append(Slot(entry.ema, index, entry.average))
         self._place_schedule()
-        return UpdatePlan(slots, walk)
+        return UpdatePlan(slots, walk, snapshot)
 
     def _schedule_device(self) -> torch.device:
         for entry in self._entries:
@@ -442,7 +552,7 @@ class ModelEma:
     def resync(self, model: nn.Module) -> None:
         """Follows the model's current named tensors: unchanged (and same-shape replaced)
         entries keep their average, new or reshaped ones start from the model, removed ones go."""
-        self._refuse_inside_swapped("resync")
+        self._ready("resync")
         model = unwrap_model(model)
         tracked = self._named(model)
         self._resync(tracked, model)
@@ -456,6 +566,7 @@ class ModelEma:
         (copied without its tensors) with the EMA tensors as its weights: shared, not stored twice.
         For a model deepcopy refuses (FSDP2, or one holding locks or handles) it runs the model
         itself with the EMA swapped in for each call (see swapped())."""
+        self.synchronize()
         return self._module
 
     def _build_module(self, model: nn.Module) -> None:
@@ -470,13 +581,16 @@ class ModelEma:
             self._module = copy.deepcopy(model, memo).eval().requires_grad_(False)
         except Exception:  # FSDP2, or something else deepcopy cannot copy
             self._module = SwappedModelView(self, model)
+            return
+        # A forward through a module fetched before a non_blocking update waits for that update.
+        self._module.register_forward_pre_hook(lambda *_: self.synchronize())
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
         """Puts the EMA weights into `model`'s own tensors for the block and restores them after,
         also when the block raises. The tensors stay the same objects at the same addresses, so
         optimizers, hooks and compiled graphs see the EMA weights."""
-        self._refuse_inside_swapped("swapped")
+        self._ready("swapped")
         model = unwrap_model(model)
         pairs = self._pairs_with(model)
         exchanged, saved = [], []
@@ -504,7 +618,7 @@ class ModelEma:
 
     def copy_to(self, model: nn.Module) -> None:
         """Writes the EMA weights into `model` (matched by name, cast to its dtypes/devices)."""
-        self._refuse_inside_swapped("copy_to")
+        self._ready("copy_to")
         with torch.no_grad():
             for entry, target in self._pairs_with(unwrap_model(model)):
                 copy_into(target, entry.ema)
@@ -530,7 +644,9 @@ class ModelEma:
             )
         return [(e, current[e.name].tensor) for e in self._entries]
 
-    def _refuse_inside_swapped(self, what: str) -> None:
+    def _ready(self, what: str) -> None:
+        """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
+        self.synchronize()
         if self._swapped:
             raise RuntimeError(
                 f"ema.{what}() inside `with ema.swapped(model)`: the EMA tensors "
@@ -542,7 +658,7 @@ class ModelEma:
     def state_dict(self) -> dict:
         """Names -> EMA tensors (tied weights under each name), the step and the schedule.
         Loadable on any device: load_state_dict maps tensors to the EMA's own."""
-        self._refuse_inside_swapped("state_dict")
+        self._ready("state_dict")
         weights = {name: e.ema.detach() for e in self._entries for name in e.names}
         return {
             "format": FORMAT,
@@ -561,7 +677,7 @@ class ModelEma:
         in one CheckpointError and the EMA is left as it was. With strict=False what matches is
         loaded and the rest is reported in the returned LoadResult.
         """
-        self._refuse_inside_swapped("load_state_dict")
+        self._ready("load_state_dict")
         source = "checkpoint"
         if isinstance(state, (str, os.PathLike)):
             source = f"checkpoint file {os.fspath(state)!r}"
@@ -638,6 +754,7 @@ class ModelEma:
         the fraction of averaged elements that an update with the latest weight would leave
         unchanged because the change rounds away (near 1.0: the EMA has stopped moving).
         """
+        self._ready("stats")
         averaged = [e for e in self._entries if e.average]
         decay = self.current_decay
         stats = {
@@ -689,7 +806,7 @@ class ModelEma:
         it), for export or evaluation. A sharded (DTensor) EMA is gathered, which is a collective:
         every rank must call this. With `rank`, only that rank keeps the result and the others get
         {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
-        self._refuse_inside_swapped("full_state_dict")
+        self._ready("full_state_dict")
         dist = torch.distributed
         distributed = dist.is_available() and dist.is_initialized()
         keep = rank is None or not distributed or dist.get_rank() == rank
@@ -733,6 +850,24 @@ class ModelEma:
             f"update_after_step={sc['update_after_step']}, "
             f"update_every={sc['update_every']})"
         )
+
+
+def _finish_async(groups, staged_copies, events, weight) -> None:
+    """The worker's half of a non_blocking update: wait for the copies, then average on the CPU."""
+    for event in events:
+        event.synchronize()
+    for group in groups:
+        lerp_(group.ema, group.staging, weight)
+    for ema, _, view in staged_copies:
+        ema.copy_(view)
+
+
+def _only(plan: UpdatePlan, device) -> UpdatePlan:
+    """A view of `plan` restricted to one EMA device's group (copies excluded)."""
+    view = copy.copy(plan)
+    view.groups = {device: plan.groups[device]}
+    view.copies = {}
+    return view
 
 
 def _exchange(a: torch.Tensor, b: torch.Tensor) -> None:

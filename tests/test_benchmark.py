@@ -71,3 +71,30 @@ def test_gpu_scenarios_are_defined_and_refused_without_a_gpu():
             assert exit_.code != 0
         else:
             raise AssertionError("--devices cuda ran without a GPU")
+
+
+def test_training_loop_benchmark_runs(tmp_path):
+    from benchmarks import training_loop
+
+    record = training_loop.main(
+        [
+            "--device",
+            "cpu",
+            "--width",
+            "32",
+            "--depth",
+            "2",
+            "--batch",
+            "8",
+            "--rounds",
+            "1",
+            "--reps",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    variants = record["variants"]
+    assert variants["no EMA"]["vs_no_ema"] == 1.0
+    assert variants["EMA on the model's device"]["median_ms"] > 0
+    assert list(tmp_path.glob("training_loop_*.json"))
