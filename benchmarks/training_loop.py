@@ -60,8 +60,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=30, help="fine interleaving: the step")
+    parser.add_argument("--reps", type=int, default=2, help="times differ by a few percent")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
     device = args.device

@@ -73,8 +73,8 @@ void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i) {
   TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), kOp, "unsupported dtype pair at index ", i,
                     ": ema ", dtype_name(et), ", src ", dtype_name(st),
                     "; supported (ema, src) pairs: ", supported_pairs_text());
-  TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), kOp, "src[", i, "] has shape ", s.sizes(), " but ema[",
-                    i, "] has shape ", e.sizes());
+  TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), kOp, "src[", i, "] has shape ", s.sizes(),
+                    " but ema[", i, "] has shape ", e.sizes());
   TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
               "] has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
               "be updated in place");

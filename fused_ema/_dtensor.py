@@ -47,8 +47,8 @@ def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
     """ema <- value for any mix of plain tensors and DTensors (cast to the EMA's device/dtype)."""
-    if ema is value:
-        return
+    if ema is value or _same_memory(local(ema), local(value)):
+        return  # e.g. a state_dict() that dcp.load filled in place
     if not is_dtensor(ema):
         local(ema).copy_(value.full_tensor() if is_dtensor(value) else value)
     elif is_dtensor(value):
@@ -57,6 +57,17 @@ def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
         local(ema).copy_(local(value))
     else:
         local(ema).copy_(shard_of(value, ema))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.numel() > 0
+    )
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
-from ema_helpers import TiedNet, small_mlp, train_step
 from torch import nn
 
 import fused_ema
+from ema_helpers import TiedNet, small_mlp, train_step
 
 
 def python_decay(step, decay, warmup=None, min_decay=0.0, update_after_step=0):

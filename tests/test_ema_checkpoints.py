@@ -5,10 +5,10 @@ error lists every problem."""
 
 import pytest
 import torch
-from ema_helpers import TiedNet, small_mlp, train_step
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import fused_ema
+from ema_helpers import TiedNet, small_mlp, train_step
 
 
 def trained_pair(steps=6, seed=0, **ema_kwargs):

@@ -9,10 +9,10 @@ stand-in where the original needs two devices) and, where CUDA exists, as the re
 
 import pytest
 import torch
-from ema_helpers import small_mlp, train_step
 from torch import nn
 
 import fused_ema
+from ema_helpers import small_mlp, train_step
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -33,6 +33,24 @@ def reference_run(model, steps, decay, update):
                 reference[name] = value.clone()
             else:
                 reference[name] += (1 - decay) * (value - reference[name])
+    return reference
+
+
+def drift_and_track(model, ema, decay, steps=20):
+    """Moves every parameter randomly in place (whatever its device and dtype), updating `ema`
+    after each move; returns the float64 EMA of the parameters computed independently."""
+    reference = {}
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ema.update(model)
+        for name, p in model.named_parameters():
+            value = p.detach().to("cpu", torch.float64)
+            previous = reference.get(name)
+            reference[name] = (
+                value.clone() if step == 1 else previous + (1 - decay) * (value - previous)
+            )
     return reference
 
 
@@ -95,17 +113,7 @@ def test_2_tensors_on_mixed_dtypes_are_grouped():
         }
     )
     ema = fused_ema.ModelEma(model, decay=0.8)
-    reference = {}
-    for step in range(1, 21):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        ema.update(model)
-        for name, p in model.named_parameters():
-            value = p.detach().double()
-            reference[name] = (
-                value.clone() if step == 1 else reference[name] + 0.2 * (value - reference[name])
-            )
+    reference = drift_and_track(model, ema, decay=0.8)
     weights = ema.state_dict()["weights"]
     assert weights["c.weight"].dtype == torch.float64 and weights["b.weight"].dtype == torch.float32
     assert_tracks(ema, reference)
@@ -124,17 +132,7 @@ def test_2_model_split_across_cpu_and_cuda(ema_device):
     torch.manual_seed(2)
     model = nn.ModuleDict({"body": nn.Linear(8, 8).cuda(), "side": nn.Linear(8, 8)})
     ema = fused_ema.ModelEma(model, decay=0.8, device=ema_device)
-    reference = {}
-    for step in range(1, 21):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        ema.update(model)
-        for name, p in model.named_parameters():
-            value = p.detach().to("cpu", torch.float64)
-            reference[name] = (
-                value.clone() if step == 1 else reference[name] + 0.2 * (value - reference[name])
-            )
+    reference = drift_and_track(model, ema, decay=0.8)
     weights = ema.state_dict()["weights"]
     expected = {
         None: {"body": "cuda", "side": "cpu"},

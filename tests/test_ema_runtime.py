@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 import fused_ema
 import fused_ema.ema as ema_module
@@ -212,6 +211,17 @@ def assert_same(a, b):
         assert torch.equal(wa[name], wb[name]), name
 
 
+def averaged_then_moved():
+    """A CPU EMA that has copied a model, which then moved every parameter by +1."""
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.5, device="cpu")
+    ema.update(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return model, ema
+
+
 def test_non_blocking_equals_blocking():
     a, b = run_pair(15, small_mlp())
     assert a.step == b.step == 15
@@ -219,12 +229,7 @@ def test_non_blocking_equals_blocking():
 
 
 def test_non_blocking_returns_before_the_work_and_reads_wait(slow_worker):
-    model = small_mlp()
-    ema = fused_ema.ModelEma(model, decay=0.5, device="cpu")
-    ema.update(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+    model, ema = averaged_then_moved()
     start = time.perf_counter()
     ema.update(model, non_blocking=True)
     assert time.perf_counter() - start < 0.15, "update(non_blocking=True) waited for the work"
@@ -235,12 +240,7 @@ def test_non_blocking_returns_before_the_work_and_reads_wait(slow_worker):
 def test_model_changed_right_after_update_does_not_leak_in(slow_worker):
     # The CPU stand-in of the stream ordering: the update must use the weights as they were
     # when update() was called, however long the worker takes and whatever runs meanwhile.
-    model = small_mlp()
-    ema = fused_ema.ModelEma(model, decay=0.5, device="cpu")
-    ema.update(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+    model, ema = averaged_then_moved()
     expected = {
         n: v + 0.5
         for n, v in ema.state_dict()["weights"].items()

@@ -4,10 +4,10 @@ replaced tensors raise one error listing them all (on_mismatch="error") or are f
 
 import pytest
 import torch
-from ema_helpers import small_mlp, train_step
 from torch import nn
 
 import fused_ema
+from ema_helpers import small_mlp, train_step
 
 
 def trained(model, steps=3, seed=0):

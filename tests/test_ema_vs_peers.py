@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-from ema_helpers import TiedNet, small_mlp, train_step
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import fused_ema
+from ema_helpers import TiedNet, small_mlp, train_step
 
 STEPS = 200
 

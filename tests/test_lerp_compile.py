@@ -3,9 +3,9 @@ torch.compile(fullgraph=True) function that calls it runs with no graph break an
 
 import pytest
 import torch
-from conftest import DTYPE_PAIRS, pair_id, random_tensor
 
 import fused_ema
+from conftest import DTYPE_PAIRS, pair_id, random_tensor
 
 
 def sample_lists(device, pair, seed):

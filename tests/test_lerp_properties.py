@@ -2,11 +2,11 @@
 a float64 reference, and with torch._foreach_lerp_ bit for bit on the CPU."""
 
 import torch
-from conftest import DEVICES, DTYPE_PAIRS, assert_lerp_close, random_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fused_ema
+from conftest import DEVICES, DTYPE_PAIRS, assert_lerp_close, random_tensor
 
 shapes = st.lists(st.integers(min_value=0, max_value=70), min_size=0, max_size=3).map(tuple)
 weights = st.one_of(

@@ -4,6 +4,8 @@ layouts, list lengths, weights and CPU instruction sets."""
 
 import pytest
 import torch
+
+import fused_ema
 from conftest import (
     DTYPE_PAIRS,
     SAME_DTYPE_PAIRS,
@@ -11,8 +13,6 @@ from conftest import (
     pair_id,
     random_tensor,
 )
-
-import fused_ema
 
 SIZES = [0, 1, 7, 33, 1023, 200_003]  # empty, tiny, odd, beyond one CPU grain and CUDA chunk
 WEIGHTS = [0.0, 1.0, 0.5, 0.5 - 1e-7, 0.5 + 1e-7, 1e-4, 0.3, 0.9]

@@ -11,19 +11,11 @@
 #include <cstdint>
 #include <tuple>
 
+#include "../opmath.h"
 #include "span_kernels.h"
 
 namespace fused_ema::cpu {
 inline namespace CPU_CAPABILITY {
-
-template <typename T>
-struct OpMath {
-  using type = float;
-};
-template <>
-struct OpMath<double> {
-  using type = double;
-};
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #define FUSED_EMA_VECTORIZED 1

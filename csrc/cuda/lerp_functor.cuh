@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../opmath.h"
 #include "multi_tensor_apply.cuh"
 
 namespace fused_ema::cuda {
@@ -17,15 +18,6 @@ struct WeightArg {
   const double* f64;
 
   __device__ double read() const { return f64 != nullptr ? *f64 : f32 != nullptr ? *f32 : value; }
-};
-
-template <typename T>
-struct OpMath {
-  using type = float;
-};
-template <>
-struct OpMath<double> {
-  using type = double;
 };
 
 __device__ inline float to_opmath(float x) { return x; }
