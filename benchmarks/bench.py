@@ -96,12 +96,16 @@ def run_scenario(sc: Scenario, device: str, args, on_round) -> dict:
         "bytes": param_bytes(model, sc.ema_dtype),
         "contenders": [],
     }
-    steps, results = {}, {}
+    steps, prepare, results = {}, {}, {}
     for k, cls in enumerate(contenders_module.ALL):
         result = {"name": cls.name, "status": "ok"}
         results[cls.name] = result
         if not cls.available():
             result["status"] = f"skipped: {cls.package} not installed"
+            continue
+        reason = cls.applies(model, sc.ema_dtype)
+        if reason:
+            result["status"] = reason
             continue
         try:
             contender = cls(model, DECAY, sc.ema_dtype, sc.ema_device)
@@ -113,8 +117,9 @@ def run_scenario(sc: Scenario, device: str, args, on_round) -> dict:
             result["status"] = problem
         else:
             steps[cls.name] = contender.step
+            prepare[cls.name] = contender.prepare
     sync = synchronizer(device)
-    samples = interleaved(steps, args.rounds, args.reps, sync, on_round)
+    samples = interleaved(steps, args.rounds, args.reps, sync, on_round, prepare=prepare)
     for name, result in results.items():
         if name in samples:
             stats = summary(samples[name])

@@ -52,6 +52,8 @@ def table(record: dict) -> str:
     lines = [header, "-" * len(header)]
     for sc in record["scenarios"]:
         for c in sc["contenders"]:
+            if c["status"].startswith("n/a"):
+                continue
             if c["status"] != "ok":
                 lines.append(f"{sc['title'][:32]:32} {c['name'][:22]:22} {c['status'][:70]}")
                 continue
@@ -104,7 +106,7 @@ def chart(record: dict, path: Path) -> None:
         len(scenarios), 1, figsize=(8, 1.0 + 0.32 * len(names) * len(scenarios)), squeeze=False
     )
     for ax, sc in zip(axes[:, 0], scenarios):
-        rows = [c for c in sc["contenders"]]
+        rows = [c for c in sc["contenders"] if not c["status"].startswith("n/a")]
         labels = [c["name"] for c in rows]
         values = [c.get("vs_foreach") or 0.0 for c in rows]
         colors = ["#2a7" if c["name"].startswith("fused_ema") else "#888" for c in rows]

@@ -17,7 +17,11 @@ def synchronizer(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def time_once(fn: Callable[[], None], sync: Callable[[], None]) -> float:
+def time_once(
+    fn: Callable[[], None], sync: Callable[[], None], prepare: Callable[[], None] | None = None
+) -> float:
+    if prepare is not None:
+        prepare()  # untimed: puts the machine in the state the call is meant to start from
     sync()
     start = time.perf_counter()
     fn()
@@ -32,21 +36,23 @@ def interleaved(
     sync: Callable[[], None],
     on_round: Callable[[], None] = lambda: None,
     budget_s: float = 0.5,
+    prepare: dict[str, Callable[[], None]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each step, measured in rounds; each round runs every contender up to
     `reps` times (fewer for one slower than `budget_s` a round, at least once), starting from a
     different contender each round, so drift in the machine's load spreads evenly."""
     names = list(steps)
+    prepare = prepare or {}
     samples: dict[str, list[float]] = {name: [] for name in names}
     per_round = {}
     for name in names:  # warm-up: first-call costs stay out of the numbers
-        first = time_once(steps[name], sync)
+        first = time_once(steps[name], sync, prepare.get(name))
         per_round[name] = max(1, min(reps, int(budget_s / max(first, 1e-9))))
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             for _ in range(per_round[name]):
-                samples[name].append(time_once(steps[name], sync))
+                samples[name].append(time_once(steps[name], sync, prepare.get(name)))
         on_round()
     return samples
 
