@@ -98,7 +98,6 @@ PyMODINIT_FUNC PyInit__C() {
        std::to_string(TORCH_VERSION_PATCH))
           .c_str());
   PyModule_AddObject(module, "COMPILED_CPU_ISAS", string_tuple(fused_ema::cpu::compiled_isas()));
-  PyModule_AddIntConstant(module, "WITH_CUDA", FUSED_EMA_WITH_CUDA);
 #if FUSED_EMA_WITH_CUDA
   std::vector<std::string> archs;
   for (int arch : fused_ema::cuda::compiled_archs()) {

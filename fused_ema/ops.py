@@ -58,10 +58,7 @@ def lerp_(
         return
     if any_dtensor(ema) or any_dtensor(src):
         ema, src = shard_lists(ema, src)
-    try:
-        op(ema, src, weight)
-    except NotImplementedError as err:
-        raise NotImplementedError(_missing_kernel_message(ema, src)) from err
+    op(ema, src, weight)
 
 
 def _tensor_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -69,15 +66,6 @@ def _tensor_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tenso
         raise TypeError(f"fused_ema.lerp_: {name} must be a sequence of tensors, not a tensor")
     tensors = tensors if isinstance(tensors, list) else list(tensors)
     return tensors
-
-
-def _missing_kernel_message(ema: list[torch.Tensor], src: list[torch.Tensor]) -> str:
-    devices = sorted({str(t.device) for t in ema + src})
-    return (
-        f"fused_ema.lerp_: no fused_ema kernel for the devices {devices}; this build has "
-        f"kernels for {', '.join(_C.devices_with_kernels())}. For CUDA, rebuild "
-        "with a CUDA torch and nvcc: FUSED_EMA_FORCE_CUDA=1 pip install --no-build-isolation ."
-    )
 
 
 @torch.library.register_fake("fused_ema::lerp_")
