@@ -141,6 +141,7 @@ class ModelEma:
         self._build_module(model)
         place = self._schedule_device()
         self._step = torch.zeros((), dtype=torch.int64, device=place)
+        self._step_before = torch.zeros_like(self._step)  # restored if an update fails
         self._out = torch.zeros(2, dtype=torch.float64, device=place)  # (weight, decay)
         self._refresh_schedule_out()
         self._warn_precision()
@@ -260,7 +261,7 @@ class ModelEma:
                 self._run_schedule(advance=False)
 
             return undo
-        previous = self._step.clone()
+        self._step_before.copy_(self._step)  # a kept buffer: no allocation per update
         if isinstance(step, torch.Tensor):
             if step.numel() != 1:
                 raise ValueError(f"step must be a number, got a tensor of shape {list(step.shape)}")
@@ -275,7 +276,7 @@ class ModelEma:
         self._run_schedule(advance=False)
 
         def undo():
-            self._step.copy_(previous)
+            self._step.copy_(self._step_before)
             self._run_schedule(advance=False)
 
         return undo
@@ -547,6 +548,7 @@ class ModelEma:
         place = self._schedule_device()
         if self._step.device != place:
             self._step = self._step.to(place)
+            self._step_before = torch.zeros_like(self._step)
             self._out = self._out.to(place)
 
     def resync(self, model: nn.Module) -> None:

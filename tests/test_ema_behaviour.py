@@ -305,3 +305,24 @@ def test_stats_report_distance_window_and_non_finite():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fused_ema.ModelEma(small_mlp(), **kwargs)
+
+
+@pytest.mark.parametrize("step", [None, 7])
+def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
+    import fused_ema.ema as ema_module
+
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    decay_before = ema.current_decay
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(ema_module, "lerp_", broken)
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        ema.update(model, step=step)
+    assert ema.step == 1 and ema.current_decay == decay_before
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
