@@ -210,15 +210,15 @@ def test_3_checkpoint_across_devices(tmp_path, direction):
     source = fused_ema.ModelEma(model, decay=0.9)
     reference_run(model, 5, 0.9, source.update)
     torch.save(source.state_dict(), tmp_path / "ema.pt")
-    target = fused_ema.ModelEma(small_mlp(device=loaded_on), decay=0.9)
+    target_model = small_mlp(device=loaded_on)
+    target = fused_ema.ModelEma(target_model, decay=0.9)
     target.load_state_dict(str(tmp_path / "ema.pt"))
     target.load_state_dict(torch.load(tmp_path / "ema.pt", weights_only=True))
     for name, value in source.state_dict()["weights"].items():
         loaded = target.state_dict()["weights"][name]
         assert loaded.device.type == loaded_on
         assert torch.equal(loaded.cpu(), value.cpu()), name
-    model_on_target = small_mlp(device=loaded_on)
-    target.update(model_on_target)  # and it keeps working there
+    target.update(target_model)  # and it keeps working there
 
 
 # 4 ----------------------------------------------------------------------------------------
