@@ -321,14 +321,22 @@ class ModelEma:
         for device, group in plan.groups.items():
             if device in done or skipped:
                 continue
-            if group.staging:
-                for view, i in zip(group.staging, group.staged_index):
-                    view.copy_(local(walk[i]), non_blocking=True)
-                for cuda_device in group.wait_for:
-                    # copies into pinned host memory must land before the CPU kernel reads them
-                    torch.cuda.current_stream(cuda_device).synchronize()
-            lerp_(group.ema, plan.sources(group, walk), self._weight_on(device, weight))
+            self._run_group(plan, group, walk, weight)
             done.add(device)
+        self._copy_unaveraged(plan, walk)
+
+    def _run_group(self, plan: UpdatePlan, group, walk, weight: torch.Tensor) -> None:
+        """One EMA device's fused call, after copying its staged sources into place."""
+        if group.staging:
+            for view, i in zip(group.staging, group.staged_index):
+                view.copy_(local(walk[i]), non_blocking=True)
+            for cuda_device in group.wait_for:
+                # copies into pinned host memory must land before the CPU kernel reads them
+                torch.cuda.current_stream(cuda_device).synchronize()
+        lerp_(group.ema, plan.sources(group, walk), self._weight_on(group.device, weight))
+
+    @staticmethod
+    def _copy_unaveraged(plan: UpdatePlan, walk) -> None:
         for emas, indices in plan.copies.values():
             torch._foreach_copy_(emas, [local(walk[i]) for i in indices])
 
@@ -339,13 +347,12 @@ class ModelEma:
         cpu_groups, copies = [], []
         for device, group in plan.groups.items():
             if device.type != "cpu":  # a device EMA updates in stream order anyway
-                self._run_plan(_only(plan, device), walk, set())
+                self._run_group(plan, group, walk, weight)
             elif not skipped:
                 copies += group.staged_sources(walk)
                 cpu_groups.append(group)
         copies += [(view, local(walk[i])) for _, i, view in plan.staged_copies]
-        for emas, indices in plan.copies.values():
-            torch._foreach_copy_(emas, [local(walk[i]) for i in indices])
+        self._copy_unaveraged(plan, walk)
         if not cpu_groups and not plan.staged_copies:
             return
         events = self._issue_copies(copies)
@@ -862,14 +869,6 @@ def _finish_async(groups, staged_copies, events, weight) -> None:
         lerp_(group.ema, group.staging, weight)
     for ema, _, view in staged_copies:
         ema.copy_(view)
-
-
-def _only(plan: UpdatePlan, device) -> UpdatePlan:
-    """A view of `plan` restricted to one EMA device's group (copies excluded)."""
-    view = copy.copy(plan)
-    view.groups = {device: plan.groups[device]}
-    view.copies = {}
-    return view
 
 
 def _exchange(a: torch.Tensor, b: torch.Tensor) -> None:
