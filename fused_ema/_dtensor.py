@@ -117,3 +117,38 @@ def unsharded_names(pairs) -> list[str]:
         for name, ema, model_tensor in pairs
         if is_dtensor(ema) and not is_dtensor(model_tensor)
     ]
+
+
+def gather_full(entries, rank, cpu_offload: bool) -> dict:
+    """ema.full_state_dict(): whole, plain tensors by name; a DTensor is all-gathered (every rank
+    must call), and only `rank` keeps the result (rank=None: every rank)."""
+    dist = torch.distributed
+    distributed = dist.is_available() and dist.is_initialized()
+    keep = rank is None or not distributed or dist.get_rank() == rank
+    out = {}
+    with torch.no_grad():
+        for entry in entries:
+            value = full_value(entry.ema.detach())  # every rank joins the gather
+            if not keep:
+                continue
+            value = value.to("cpu") if cpu_offload else value
+            if value.untyped_storage().data_ptr() == local(entry.ema).untyped_storage().data_ptr():
+                value = value.clone()  # a copy, never the live EMA
+            for name in entry.names:
+                out[name] = value
+    return out
+
+
+def refuse_unsharded(by_name: dict, tracked) -> None:
+    """An FSDP2 model between forward and backward holds unsharded parameters: refuse them."""
+    pairs = [
+        (n, by_name[n].ema, t.tensor) for t in tracked for n in t.names if n in by_name
+    ]
+    names = unsharded_names(pairs)
+    if names:
+        raise RuntimeError(
+            f"{len(names)} sharded tensors of the model are unsharded right now (e.g. "
+            f"{names[0]}): an FSDP2 model between forward and backward, or after an "
+            "evaluation forward. Update the EMA after optimizer.step(), or call "
+            "model.reshard() first."
+        )

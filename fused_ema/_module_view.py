@@ -1,19 +1,60 @@
-"""ema.module for a model that cannot be copied (FSDP2 refuses deepcopy; some models hold locks or
-handles): a module that runs the model itself, in eval mode, with the EMA weights swapped in for
-the duration of each call, so the model's own structure (sharding included) does the work."""
+"""ema.module: an eval-mode nn.Module evaluating the EMA weights. Normally a copy of the model's
+structure whose tensors are the EMA's own (nothing stored twice); for a model that deepcopy
+refuses (FSDP2, locks, handles), a view that runs the model with the EMA swapped in per call.
+Both hold the EMA weakly, so `del ema` frees it at once, and both pickle."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 from torch import nn
+
+
+def _nothing():
+    return None
+
+
+class EmaForwardCheck:
+    """Forward pre-hook of ema.module: waits for a non_blocking update in flight, and refuses to
+    run while swapped() has put the model's weights into the EMA tensors."""
+
+    def __init__(self, ema):
+        self._ema = weakref.ref(ema)
+
+    def __call__(self, module, args):
+        ema = self._ema()
+        if ema is not None:
+            ema._before_module_forward()
+
+    def __getstate__(self):
+        return {}  # a pickled copy of the module no longer belongs to an EMA
+
+    def __setstate__(self, state):
+        self._ema = _nothing
+
+
+def build_module(ema, entries, model: nn.Module) -> nn.Module:
+    """The model's module tree with the EMA tensors standing in for its own (a deepcopy whose
+    memo already holds them), in eval mode, without gradients."""
+    memo = {}
+    for entry in entries:
+        source = entry.bound()
+        if source is not None:
+            memo[id(source)] = entry.ema
+    try:
+        module = copy.deepcopy(model, memo).eval().requires_grad_(False)
+    except Exception:  # FSDP2, or something else deepcopy cannot copy
+        return SwappedModelView(ema, model)
+    module.register_forward_pre_hook(EmaForwardCheck(ema))
+    return module
 
 
 class SwappedModelView(nn.Module):
     def __init__(self, ema, model: nn.Module):
         super().__init__()
         # Plain attributes, not submodules: the view has no weights of its own to expose.
-        object.__setattr__(self, "_ema", ema)
+        object.__setattr__(self, "_ema_ref", weakref.ref(ema))
         object.__setattr__(self, "_model_ref", weakref.ref(model))
         self.train(False)
 
@@ -26,19 +67,33 @@ class SwappedModelView(nn.Module):
             )
         return model
 
+    def _ema(self):
+        ema = self._ema_ref()
+        if ema is None:
+            raise RuntimeError("the ModelEma this view belongs to no longer exists")
+        return ema
+
     def forward(self, *args, **kwargs):
-        model = self._model()
+        model, ema = self._model(), self._ema()
         modes = [(m, m.training) for m in model.modules()]
         model.train(self.training)
         try:
-            with self._ema.swapped(model):
+            with ema.swapped(model):
                 return model(*args, **kwargs)
         finally:
             for module, training in modes:
                 module.training = training
 
     def state_dict(self, *args, **kwargs):
-        return dict(self._ema.state_dict()["weights"])
+        return dict(self._ema().state_dict()["weights"])
+
+    def __getstate__(self):
+        raise TypeError(
+            "ema.module of a model that cannot be copied (FSDP2) runs the live model with the EMA "
+            "swapped in and cannot be pickled; save ema.state_dict() or ema.full_state_dict()"
+        )
 
     def extra_repr(self) -> str:
-        return f"runs {type(self._model()).__name__} with the EMA weights swapped in"
+        model = self._model_ref()
+        name = type(model).__name__ if model is not None else "a model that no longer exists"
+        return f"runs {name} with the EMA weights swapped in"

@@ -1,11 +1,11 @@
-"""How one ModelEma update runs: one fused lerp call per EMA device, the model tensors that must
-first be copied next to their EMA (another device, or a dtype pair the kernel lacks) through
-reusable staging buffers, and the tensors that are copied rather than averaged (integer buffers).
+"""One ModelEma update, planned once and run in every mode: one fused lerp per EMA device, the
+model tensors that must first be copied next to their EMA (another device, or a dtype pair the
+kernel lacks) through reusable staging buffers, and the tensors copied rather than averaged.
 
-A plan is built when the model's structure or placement changes and reused otherwise. It keeps no
-reference to the model, only weak references that tell whether the model still holds the same
-tensor objects. A snapshot plan (non_blocking updates) stages every source of a CPU EMA, so the
-model may change as soon as the copies have been issued.
+A plan is built for one walk of the model (the tensor objects, their types, dtypes, devices and
+shapes) and reused while the model matches it. It keeps weak references only. Running it is all
+or nothing: every check happens before the first write, and an interrupt that lands after the
+first write lets the update finish before it propagates.
 """
 
 from __future__ import annotations
@@ -16,134 +16,238 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._dtensor import is_dtensor, local, sharding
-from .ops import SUPPORTED_DTYPE_PAIRS
+from ._dtensor import is_dtensor, local
+from ._loader import _C
+from ._tracking import EntryTable
+from .ops import SUPPORTED_DTYPE_PAIRS, lerp_
 
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
 
-
-@dataclass
-class Slot:
-    """One distinct tracked tensor: its EMA tensor, where its model tensor sits in the model's
-    tensor walk, and whether it is averaged (float) or copied."""
-
-    ema: torch.Tensor
-    walk_index: int
-    average: bool
+# TEMPORARY until the C walk lands
+def _sig(walk):
+    return tuple(None if t is None else (type(t), t.dtype, t.device, tuple(t.shape)) for t in walk)
 
 
-@dataclass
-class DeviceGroup:
-    """The averaged slots whose EMA (its local shard, for a DTensor) lives on one device: one
-    fused lerp call per update. `ema` lists the slots fed straight from plain model tensors, then
-    those fed from DTensor shards, then the staged ones."""
+walk_signature = getattr(_C, "walk_signature", _sig)
+walk_matches = getattr(
+    _C,
+    "walk_matches",
+    lambda walk, refs, sig: len(walk) == len(refs)
+    and all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, walk))
+    and _sig(walk) == sig,
+)
+take = getattr(_C, "take", lambda walk, idx: [walk[i] for i in idx])
+if not hasattr(_C, "tensor_walk"):
+    from ._tracking import tensor_walk as _tw
 
-    device: torch.device
-    ema: list[torch.Tensor] = field(default_factory=list)
-    direct_index: list[int] = field(default_factory=list)  # walk indices: plain model tensors
-    shard_index: list[int] = field(default_factory=list)  # walk indices: DTensor model tensors
-    staged_index: list[int] = field(default_factory=list)  # walk indices of the staged sources
-    staging: list[torch.Tensor] = field(default_factory=list)  # where each staged source lands
-    wait_for: set = field(default_factory=set)  # CUDA devices whose copies land in pinned memory
-
-    def staged_sources(self, walk: list):
-        """(staging view, model tensor) pairs: the copies to issue before the fused call."""
-        return [(view, local(walk[i])) for view, i in zip(self.staging, self.staged_index)]
-
-
-def _NONE():  # stands in for weakref.ref(None): a parameter registered as None
-    return None
+    _C.tensor_walk = _tw
 
 
 def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
     return (ema_dtype, src_dtype) in SUPPORTED_DTYPE_PAIRS
 
 
-def placement(t: torch.Tensor) -> tuple:
-    return (local(t).device, t.dtype, tuple(t.shape), sharding(t))
+@dataclass
+class DeviceGroup:
+    """The averaged entries whose EMA (its local shard, for a DTensor) lives on one device: one
+    fused lerp call per update. `ema` lists the entries fed straight from plain model tensors,
+    then those fed from DTensor shards, then the staged ones."""
+
+    device: torch.device
+    ema: list = field(default_factory=list)
+    direct: tuple = ()  # walk indices of plain model tensors
+    shards: list = field(default_factory=list)  # walk indices of DTensor model tensors
+    staged: list = field(default_factory=list)  # walk indices of the staged sources
+    staging: list = field(default_factory=list)  # where each staged source lands
+    wait_for: set = field(default_factory=set)  # CUDA devices whose copies land in pinned memory
+
+    def sources(self, walk: list) -> list:
+        out = take(walk, self.direct) if self.direct else []
+        if self.shards:
+            out += [walk[i]._local_tensor for i in self.shards]
+        return out + self.staging
+
+    def staged_copies(self, walk: list) -> list:
+        return [(view, local(walk[i])) for view, i in zip(self.staging, self.staged)]
+
+
+@dataclass
+class CopyGroup:
+    """Unaveraged entries (integer buffers, buffers="copy") between one pair of devices."""
+
+    ema: list = field(default_factory=list)
+    index: list = field(default_factory=list)
+    staging: list = field(default_factory=list)  # snapshot plans: where CPU copies land first
 
 
 class UpdatePlan:
-    def __init__(self, slots: list[Slot], walk: list[torch.Tensor], snapshot: bool = False):
-        self.slots = slots
+    def __init__(self, table: EntryTable, walk: list, snapshot: bool = False):
         self.snapshot = snapshot
-        self._refs = [_NONE if t is None else weakref.ref(t) for t in walk]
-        self.signature = [placement(walk[s.walk_index]) for s in slots]
-        # Copied (not averaged) slots, grouped by device pair for one foreach copy each.
-        self.copies: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
-        self.staged_copies: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # (ema, walk, view)
+        self.refs = tuple(None if t is None else weakref.ref(t) for t in walk)
+        self.signature = walk_signature(walk)
+        position: dict = {}
+        for i, t in enumerate(walk):
+            position.setdefault(id(t), i)
         self.groups: dict[torch.device, DeviceGroup] = {}
-        direct: dict[torch.device, list[Slot]] = {}
-        shards: dict[torch.device, list[Slot]] = {}
-        staged: dict[tuple, list[Slot]] = {}
-        for slot in slots:
-            ema, src = local(slot.ema), local(walk[slot.walk_index])
+        self.copies: dict[tuple, CopyGroup] = {}
+        direct: dict = {}
+        shards: dict = {}
+        staged: dict = {}
+        for entry in table.entries:
+            index = position[id(entry.bound())]
+            ema, src = local(entry.ema), local(walk[index])
             snap = snapshot and ema.device.type == "cpu"
-            if not slot.average:
+            if not entry.average:
+                group = self.copies.setdefault((ema.device, src.device, snap), CopyGroup())
+                group.ema.append(ema)
+                group.index.append(index)
                 if snap:
-                    (view,) = _staging_views(
-                        ema.device, src.dtype, [src.shape], pin=src.device.type == "cuda"
-                    )
-                    self.staged_copies.append((ema, slot.walk_index, view))
-                    continue
-                emas, indices = self.copies.setdefault((ema.device, src.device), ([], []))
-                emas.append(ema)
-                indices.append(slot.walk_index)
+                    pin = src.device.type == "cuda"
+                    group.staging += _staging_views(ema.device, src.dtype, [src.shape], pin)
                 continue
             device = ema.device
             self.groups.setdefault(device, DeviceGroup(device))
             if not snap and src.device == device and pair_supported(ema.dtype, src.dtype):
-                sharded = is_dtensor(walk[slot.walk_index])
-                (shards if sharded else direct).setdefault(device, []).append(slot)
+                bucket = shards if is_dtensor(walk[index]) else direct
+                bucket.setdefault(device, []).append((ema, index))
             else:
                 dtype = src.dtype if pair_supported(ema.dtype, src.dtype) else ema.dtype
-                staged.setdefault((device, src.device, dtype), []).append(slot)
-        for device, group_slots in direct.items():
+                staged.setdefault((device, src.device, dtype), []).append((ema, index))
+        for device, items in direct.items():
             group = self.groups[device]
-            group.ema += [local(s.ema) for s in group_slots]
-            group.direct_index += [s.walk_index for s in group_slots]
-        for device, group_slots in shards.items():
+            group.ema += [e for e, _ in items]
+            group.direct = tuple(i for _, i in items)
+        for device, items in shards.items():
             group = self.groups[device]
-            group.ema += [local(s.ema) for s in group_slots]
-            group.shard_index += [s.walk_index for s in group_slots]
-        for (device, src_device, dtype), group_slots in staged.items():
+            group.ema += [e for e, _ in items]
+            group.shards = [i for _, i in items]
+        for (device, src_device, dtype), items in staged.items():
             group = self.groups[device]
             pin = device.type == "cpu" and src_device.type == "cuda"
-            shapes = [local(walk[s.walk_index]).shape for s in group_slots]
-            group.ema += [local(s.ema) for s in group_slots]
-            group.staged_index += [s.walk_index for s in group_slots]
+            shapes = [local(walk[i]).shape for _, i in items]
+            group.ema += [e for e, _ in items]
+            group.staged += [i for _, i in items]
             group.staging += _staging_views(device, dtype, shapes, pin)
             if pin:
                 group.wait_for.add(src_device)
+        # One EMA tensor per write: its version counter moves when that write happens.
+        self._probes = [g.ema[0] for g in self.groups.values()]
+        self._probes += [c.ema[0] for c in self.copies.values()]
+        self._marks: list | None = None
 
-    def sources(self, group: DeviceGroup, walk: list) -> list[torch.Tensor]:
-        """The model-side tensors of a group's fused call, in the order of group.ema (staged
-        sources must have been copied into group.staging first)."""
-        return (
-            [walk[i] for i in group.direct_index]
-            + [walk[i]._local_tensor for i in group.shard_index]
-            + group.staging
-        )
+    # ------------------------------------------------------------------ checks
 
-    def matches(self, walk: list[torch.Tensor]) -> bool:
-        """Whether the model holds exactly the tensor objects this plan was built for."""
-        refs = self._refs
-        return len(walk) == len(refs) and all(r() is t for r, t in zip(refs, walk))
-
-    def placement_changed(self, walk: list[torch.Tensor]) -> bool:
-        """Whether a tracked model tensor moved or changed dtype or shape since planning, or an
-        EMA tensor was moved (through ema.module)."""
-        if any(placement(walk[s.walk_index]) != p for s, p in zip(self.slots, self.signature)):
-            return True
-        return any(e.device != g.device for g in self.groups.values() for e in g.ema)
+    def matches(self, walk: list) -> bool:
+        """Whether the model holds exactly the tensor objects this plan was built for, with the
+        same types, dtypes, devices and shapes."""
+        return walk_matches(walk, self.refs, self.signature)
 
     @property
     def has_staging(self) -> bool:
         return any(g.staging for g in self.groups.values())
 
     def staging_bytes(self) -> int:
-        return sum(v.numel() * v.element_size() for g in self.groups.values() for v in g.staging)
+        views = [v for g in self.groups.values() for v in g.staging]
+        views += [v for c in self.copies.values() for v in c.staging]
+        return sum(v.numel() * v.element_size() for v in views)
+
+    def started(self) -> bool:
+        """Whether the run begun last has written anything."""
+        marks = self._marks
+        return marks is not None and any(p._version != m for p, m in zip(self._probes, marks))
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, walk: list, weight: torch.Tensor, sources: list | None = None) -> None:
+        """The whole update, blocking. `sources` (the walk's values, from a traced program)
+        replaces the model's tensors as what is averaged toward."""
+        values = walk if sources is None else sources
+        self._marks = [p._version for p in self._probes]
+        copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
+        if self.has_staging and weight.device.type == "cpu" and float(weight) == 0.0:
+            # Cross-device copies are not free: skip them on the steps update_every leaves out.
+            # (Same-device updates never read the weight in Python.)
+            _run_to_the_end(copies)
+            return
+        self._stage(self.groups.values(), values)
+        lerps = [(lambda g=g: self._lerp(g, values, weight), g.ema[0]) for g in self.groups.values()]
+        _run_to_the_end(lerps + copies)
+
+    def start(self, walk: list, weight: torch.Tensor, runner) -> bool:
+        """A non_blocking update: device EMAs update in stream order now; the copies for a CPU
+        EMA are issued on side streams and a worker thread averages once they have landed.
+        Returns whether work was left to the worker."""
+        self._marks = [p._version for p in self._probes]
+        skipped = weight.device.type == "cpu" and float(weight) == 0.0  # a host value
+        now = [g for g in self.groups.values() if g.device.type != "cpu"]
+        later = [g for g in self.groups.values() if g.device.type == "cpu" and not skipped]
+        snapped = [c for c in self.copies.values() if c.staging]
+        self._stage(now, walk)
+        writes = [(lambda g=g: self._lerp(g, walk, weight), g.ema[0]) for g in now]
+        writes += [
+            (lambda c=c: self._copy(c, walk), c.ema[0])
+            for c in self.copies.values()
+            if not c.staging
+        ]
+        _run_to_the_end(writes)
+        pairs = [pair for g in later for pair in g.staged_copies(walk)]
+        pairs += [(v, local(walk[i])) for c in snapped for v, i in zip(c.staging, c.index)]
+        if not pairs:
+            return False
+        events = runner.issue_copies(pairs)
+        later_writes = [(lambda g=g: lerp_(g.ema, g.staging, weight), g.ema[0]) for g in later]
+        later_writes += [
+            (lambda c=c: torch._foreach_copy_(c.ema, c.staging), c.ema[0]) for c in snapped
+        ]
+
+        def finish():
+            for event in events:
+                event.synchronize()
+            _run_to_the_end(later_writes)
+
+        runner.submit(finish)
+        return True
+
+    def _stage(self, groups, values: list) -> None:
+        """Copies staged sources into place; nothing of the EMA is written yet."""
+        waits = set()
+        for group in groups:
+            for view, i in zip(group.staging, group.staged):
+                view.copy_(local(values[i]), non_blocking=True)
+            waits |= group.wait_for
+        for cuda_device in waits:
+            # copies into pinned host memory must land before the CPU kernel reads them
+            torch.cuda.current_stream(cuda_device).synchronize()
+
+    @staticmethod
+    def _lerp(group: DeviceGroup, values: list, weight: torch.Tensor) -> None:
+        if weight.device.type != "cpu" and weight.device != group.device:
+            weight = weight.to(group.device)  # a device weight for another device
+        lerp_(group.ema, group.sources(values), weight)
+
+    @staticmethod
+    def _copy(group: CopyGroup, values: list) -> None:
+        torch._foreach_copy_(group.ema, [local(values[i]) for i in group.index])
+
+
+def _run_to_the_end(writes: list) -> None:
+    """Runs every (write, probe) pair. If one raises after an earlier one wrote (an interrupt
+    arriving once a kernel has returned), the writes that have not happened still run and the
+    error propagates after: the EMA never holds half an update. A write has happened when the
+    version counter of its probe, an EMA tensor it writes, has moved."""
+    marks = [probe._version for _, probe in writes]
+    try:
+        for write, _ in writes:
+            write()
+    except BaseException:
+        moved = [probe._version != mark for (_, probe), mark in zip(writes, marks)]
+        if not any(moved):
+            raise
+        for (write, _), happened in zip(writes, moved):
+            if not happened:
+                write()
+        raise
 
 
 def _staging_views(device, dtype, shapes, pin: bool) -> list[torch.Tensor]:

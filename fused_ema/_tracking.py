@@ -1,14 +1,14 @@
-"""Which tensors of a model an EMA follows, and under which names.
-
-Parameters (a tied parameter once, with all its names) and persistent buffers, found by walking
-the module tree the way ``named_parameters``/``state_dict`` do. DDP, DataParallel and
-torch.compile wrappers are unwrapped, and FSDP1 / activation-checkpoint name components dropped,
-so ``ModelEma(ddp_model)`` and ``ModelEma(ddp_model.module)`` bind to the same names.
+"""Which tensors of a model an EMA follows, under which names, and how a changed model is
+matched to the EMA's entries: by tensor identity first (a module inserted or renamed keeps its
+tensors' averages), then by name. Parameters (a tied parameter once, with all its names) and
+persistent buffers are found the way ``named_parameters``/``state_dict`` do; DDP, DataParallel
+and torch.compile wrappers are unwrapped and FSDP1 / activation-checkpoint name components dropped.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -128,5 +128,203 @@ def tensor_walk(model: nn.Module, with_buffers: bool = True) -> list:
             skip = module._non_persistent_buffers_set
             buffers = module._buffers
             extend([b for n, b in buffers.items() if n not in skip] if skip else buffers.values())
-        push(module._modules.values())
+        push([child for child in module._modules.values() if child is not None])
     return out
+
+
+# ---------------------------------------------------------------------- the EMA's entries
+
+
+@dataclass
+class Entry:
+    """One distinct model tensor followed by the EMA, under all its names."""
+
+    names: list[str]
+    kind: str
+    ema: torch.Tensor  # an nn.Parameter (requires_grad=False) for parameters
+    average: bool  # lerp toward the model, or copy it (integer buffers, buffers="copy")
+    bound: weakref.ref  # the model tensor object it follows
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def unbound():  # stands in for the weakref of an entry bound to no tensor yet (unpickled)
+    return None
+
+
+@dataclass
+class EntryPolicy:
+    """How a model tensor becomes an EMA entry: where it lives, in which dtype, averaged or not."""
+
+    device: torch.device | None
+    dtype: torch.dtype | None
+    buffers: str
+
+    def averages(self, t: torch.Tensor, kind: str) -> bool:
+        return t.is_floating_point() and (kind == PARAM or self.buffers == "average")
+
+    def new_entry(self, tracked: Tracked, *, meta_ok: bool = True) -> Entry:
+        from ._dtensor import check_averageable, is_dtensor
+
+        t = tracked.tensor.detach()
+        if t.is_complex() and tracked.kind == PARAM:
+            raise ValueError(
+                f"fused_ema: parameter {tracked.name} is {t.dtype}; the fused kernels average real "
+                "floating-point tensors. Register it as two real parameters (torch.view_as_real) "
+                "or as a buffer (buffers are copied)."
+            )
+        average = self.averages(t, tracked.kind)
+        if not average:
+            dtype = t.dtype
+        elif self.dtype is not None:
+            dtype = self.dtype
+        else:
+            dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        if is_dtensor(t):
+            check_averageable(tracked.name, t)
+            if self.device is not None and self.device != t.device:
+                raise ValueError(
+                    f"{tracked.name} is sharded (a DTensor on {t.device}); its EMA lives with its "
+                    f"shard, so device={str(self.device)!r} cannot apply. Build the EMA with "
+                    "device=None, and gather it with ema.full_state_dict() where needed."
+                )
+            device = t.device
+        elif t.is_meta:
+            if not meta_ok:
+                raise ValueError(f"{tracked.name} is a meta tensor, which holds no values")
+            device = t.device  # no values yet: resync(model) after materialising the model
+        else:
+            device = self.device if self.device is not None else t.device
+        ema = t.to(device=device, dtype=dtype, copy=True)
+        if tracked.kind == PARAM:
+            ema = nn.Parameter(ema, requires_grad=False)
+        return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
+
+
+@dataclass
+class Changes:
+    """How a model's tensors differ from the EMA's entries (every list holds names)."""
+
+    added: list = field(default_factory=list)
+    removed: list = field(default_factory=list)
+    renamed: list = field(default_factory=list)  # "old -> new": the same tensor under a new name
+    reshaped: list = field(default_factory=list)
+    replaced: list = field(default_factory=list)  # a parameter name now holds another tensor
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.renamed or self.reshaped or self.replaced)
+
+
+def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
+    from ._dtensor import sharding
+
+    return tuple(entry.ema.shape) == tuple(t.shape) and sharding(entry.ema) == sharding(t)
+
+
+class EntryTable:
+    """The EMA's entries and the index of their names. Never changed in place by a resync: a
+    new table is built, so a failure half-way leaves the old one intact."""
+
+    def __init__(self, entries: list[Entry]):
+        self.entries = entries
+        self.by_name = {name: e for e in entries for name in e.names}
+
+    def names(self) -> list[str]:
+        return [name for e in self.entries for name in e.names]
+
+    def match(self, tracked: list[Tracked]) -> list[tuple[Tracked, Entry | None, str]]:
+        """Pairs every model tensor with an entry: the entry bound to that very tensor object
+        first (whatever its name now), then an unclaimed entry of the same name, kind and shape.
+        Each pair carries how it was found: "same", "renamed", "reshaped" (same object, new
+        shape), "replaced" (by name), "untied" (by name, entry already claimed) or "new"."""
+        by_object = {}
+        for e in self.entries:
+            bound = e.bound()
+            if bound is not None:
+                by_object.setdefault(id(bound), e)
+        claimed: dict[int, list] = {}  # entry id -> the names its claimer carries now
+        found: dict[int, tuple[Entry, str]] = {}
+        for k, t in enumerate(tracked):
+            e = by_object.get(id(t.tensor))
+            if e is None or e.bound() is not t.tensor or id(e) in claimed or e.kind != t.kind:
+                continue
+            claimed[id(e)] = t.names
+            if not _same_layout(e, t.tensor) or (e.ema.is_meta and not t.tensor.is_meta):
+                found[k] = (e, "reshaped")
+            elif set(t.names) != set(e.names):
+                found[k] = (e, "renamed")
+            else:
+                found[k] = (e, "same")
+        for k, t in enumerate(tracked):
+            if k in found:
+                continue
+            for name in t.names:
+                e = self.by_name.get(name)
+                if e is None or e.kind != t.kind:
+                    continue
+                if id(e) in claimed and not set(claimed[id(e)]) & set(e.names):
+                    continue  # its tensor moved to another name: this one is new
+                if not _same_layout(e, t.tensor) or (e.ema.is_meta and not t.tensor.is_meta):
+                    found[k] = (e, "reshaped")
+                elif id(e) in claimed:
+                    found[k] = (e, "untied")
+                elif e.bound is unbound:
+                    found[k] = (e, "same")  # never bound (unpickled): names are all there is
+                else:
+                    found[k] = (e, "replaced")
+                claimed.setdefault(id(e), t.names)
+                break
+        return [(t, *found.get(k, (None, "new"))) for k, t in enumerate(tracked)]
+
+    def changes(self, tracked: list[Tracked]) -> Changes:
+        """What on_mismatch="error" reports. Buffers that are new objects under the same name and
+        shape (model.to(), .float()) are followed, not reported."""
+        out = Changes()
+        claimed = set()
+        for t, e, how in self.match(tracked):
+            if e is not None:
+                claimed.add(id(e))
+            if how == "new":
+                out.added += t.names
+            elif how == "renamed":
+                old = ", ".join(e.names)
+                out.renamed.append(f"{old} -> {', '.join(t.names)}")
+            elif how == "reshaped":
+                shape = "meta" if e.ema.is_meta else list(e.ema.shape)
+                out.reshaped.append(f"{t.name} (EMA {shape}, model {list(t.tensor.shape)})")
+            elif how in ("replaced", "untied") and t.kind == PARAM:
+                out.replaced += [n for n in t.names if n in e.names] or t.names[:1]
+                extra = [n for n in t.names if n not in e.names]
+                out.added += extra
+        out.removed = [n for e in self.entries if id(e) not in claimed for n in e.names]
+        # names an entry had that its tensor no longer carries (a tie was undone)
+        current = {n for t in tracked for n in t.names}
+        for e in self.entries:
+            if id(e) in claimed:
+                out.removed += [n for n in e.names if n not in current]
+        return out
+
+    def followed(self, tracked: list[Tracked], policy: EntryPolicy) -> EntryTable:
+        """A table that follows `tracked` (ema.resync): matched entries keep their average under
+        the tensor's current names, reshaped and new tensors start from the model, an untied
+        weight starts from a copy of the average it shared, and removed entries go."""
+        entries = []
+        for t, e, how in self.match(tracked):
+            if how in ("new", "reshaped"):
+                entries.append(policy.new_entry(t, meta_ok=True))
+                continue
+            ema = e.ema
+            if how == "untied":
+                data = ema.detach().clone()
+                ema = nn.Parameter(data, requires_grad=False) if t.kind == PARAM else data
+            entries.append(Entry(list(t.names), t.kind, ema, e.average, weakref.ref(t.tensor)))
+        return EntryTable(entries)
+
+    def rebind(self, tracked: list[Tracked]) -> None:
+        """Points every entry at the tensor object now carrying its first name."""
+        for t in tracked:
+            entry = self.by_name.get(t.name)
+            if entry is not None:
+                entry.bound = weakref.ref(t.tensor)

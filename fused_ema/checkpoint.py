@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from ._schedule import whole_number
 from ._tracking import strip_checkpoint_prefixes
+from .errors import CheckpointError
 
 FORMAT = "fused_ema.ModelEma"
 FORMAT_VERSION = 1
@@ -38,22 +41,25 @@ class ParsedCheckpoint:
 
 
 def _as_step(value, key: str, problems: list[str]) -> int | None:
+    """A step count from a checkpoint: a whole number in [0, MAX_STEP] (a one-element tensor
+    or a number), else a problem and None."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
+        if value.numel() != 1 or value.is_meta or value.layout != torch.strided:
             problems.append(
-                f"'{key}' should hold one number, got a tensor of shape {list(value.shape)}"
+                f"'{key}' should hold one number, got a {value.layout} tensor of shape "
+                f"{list(value.shape)}{' on meta' if value.is_meta else ''}"
             )
             return None
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        problems.append(f"'{key}' should be a whole number of steps, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    try:
+        return whole_number(key, value, 0)
+    except ValueError as err:
+        problems.append(str(err))
         return None
-    if value < 0:
-        problems.append(f"'{key}' should not be negative, got {value!r}")
-        return None
-    return int(value)
 
 
 def _by_name(state: Mapping, drop_prefix: str = "") -> dict[str, object]:
@@ -133,3 +139,106 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
 def read_file(path) -> object:
     """torch.load onto the CPU (weights only); the EMA maps tensors to its own devices later."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------- loading into an EMA
+
+
+class LoadResult(NamedTuple):
+    """What load_state_dict matched; with strict=False the unmatched parts are listed here."""
+
+    format: str
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    mismatched_keys: list[str]
+
+
+@dataclass
+class PreparedLoad:
+    """A checkpoint checked against an EMA and converted to its devices and dtypes: applying it
+    cannot fail on bad data, so a failed load changes nothing."""
+
+    values: list  # (entry, tensor ready to copy into it)
+    step: int | None
+    options: dict | None
+    result: LoadResult
+
+
+def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
+    if not isinstance(tensor, torch.Tensor):
+        return f"{name}: expected a tensor, got {type(tensor).__name__}"
+    if tensor.is_meta:
+        return f"{name}: a meta tensor holds no values"
+    if tensor.layout != torch.strided or getattr(tensor, "is_nested", False):
+        kind = "nested" if getattr(tensor, "is_nested", False) else str(tensor.layout)
+        return f"{name}: a {kind} tensor; the EMA holds dense (strided) tensors"
+    if tensor.is_quantized:
+        return f"{name}: a quantized tensor cannot be stored in the EMA's {ema.dtype}"
+    if tuple(tensor.shape) != tuple(ema.shape):
+        return f"{name}: shape {list(tensor.shape)} does not match the EMA's {list(ema.shape)}"
+    if tensor.is_floating_point() != ema.is_floating_point() or tensor.is_complex():
+        return f"{name}: dtype {tensor.dtype} cannot be stored in the EMA's {ema.dtype}"
+    return None
+
+
+def _positional(entries, tensors: list, problems: list[str]) -> dict:
+    params = [e for e in entries if e.kind == "param"]
+    if len(tensors) != len(params):
+        problems.append(
+            f"it holds {len(tensors)} parameters in order but the model has {len(params)}"
+        )
+        return {}
+    return {e.name: t for e, t in zip(params, tensors)}
+
+
+def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
+    from ._dtensor import is_dtensor, local
+
+    if is_dtensor(entry.ema) or is_dtensor(tensor):
+        return tensor  # resharded while it is copied in (see _dtensor.copy_into)
+    return tensor.detach().to(device=local(entry.ema).device, dtype=entry.ema.dtype)
+
+
+def prepare_load(table, state, strict: bool, source: str, options_from_state) -> PreparedLoad:
+    """Checks `state` against the EMA's entries and converts its tensors; raises one
+    CheckpointError listing every problem, before anything of the EMA changes."""
+    parsed = parse_checkpoint(state)
+    fatal = list(parsed.problems)  # nothing can be loaded while any of these stands
+    weights = parsed.weights
+    if parsed.positional is not None:
+        weights = _positional(table.entries, parsed.positional, fatal)
+    options = None
+    if parsed.schedule is not None:
+        try:
+            options = options_from_state(parsed.schedule)
+        except (TypeError, ValueError) as err:
+            fatal.append(f"schedule: {err}")
+    pairs, problems, mismatched, covered = [], [], [], set()
+    for name, tensor in (weights or {}).items():
+        entry = table.by_name.get(name)
+        if entry is None or id(entry) in covered:
+            continue  # a tied weight needs only one of its names
+        covered.add(id(entry))
+        problem = tensor_problem(name, tensor, entry.ema)
+        if problem:
+            problems.append(problem)
+            mismatched.append(name)
+        else:
+            pairs.append((entry, tensor))
+    missing = [e.name for e in table.entries if id(e) not in covered]
+    unexpected = [k for k in (weights or {}) if k not in table.by_name]
+    if fatal or (strict and (problems or missing or unexpected)):
+        listed = fatal + problems
+        if strict:
+            listed += [f"missing from the checkpoint: {k}" for k in missing]
+            listed += [f"not in this EMA: {k}" for k in unexpected]
+        raise CheckpointError(listed, source)
+    try:
+        values = [(entry, _converted(entry, tensor)) for entry, tensor in pairs]
+    except Exception as err:  # out of memory, a device that is not there...
+        raise CheckpointError(
+            [f"could not move its tensors to the EMA's devices: {type(err).__name__}: {err}"],
+            source,
+        ) from err
+    result = LoadResult(parsed.format, missing, unexpected, mismatched)
+    return PreparedLoad(values, parsed.step, options, result)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 
 class StructureMismatchError(RuntimeError):
-    """The model's named tensors no longer match the EMA's: some were added, removed, reshaped or
-    replaced by new tensor objects. Lists every name; nothing was changed."""
+    """The model's named tensors no longer match the EMA's: some were added, removed, renamed,
+    reshaped or replaced by new tensor objects. Lists every name; nothing was changed."""
 
-    def __init__(self, added=(), removed=(), reshaped=(), replaced=(), hint: str = ""):
+    def __init__(self, added=(), removed=(), reshaped=(), replaced=(), hint: str = "", renamed=()):
         self.added, self.removed = list(added), list(removed)
         self.reshaped, self.replaced = list(reshaped), list(replaced)
+        self.renamed = list(renamed)
         lines = ["the model's tensors no longer match this EMA's (nothing was changed):"]
         for label, items in (
             ("added", self.added),
             ("removed", self.removed),
+            ("renamed (the same tensor under a new name)", self.renamed),
             ("reshaped", self.reshaped),
             ("replaced by a new tensor", self.replaced),
         ):
@@ -24,7 +26,9 @@ class StructureMismatchError(RuntimeError):
         super().__init__("\n".join(lines))
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.removed or self.reshaped or self.replaced)
+        return bool(
+            self.added or self.removed or self.reshaped or self.replaced or self.renamed
+        )
 
 
 class CheckpointError(ValueError):

@@ -87,29 +87,57 @@ def test_update_every_skips_steps_and_uses_decay_power():
     assert ema.step == 13
 
 
-@pytest.mark.parametrize("kind", ["int", "cpu-tensor", "float-tensor"])
+@pytest.mark.parametrize("kind", ["int", "numpy-int", "cpu-tensor", "int32-tensor"])
 def test_given_steps_drive_the_schedule(kind):
+    np = pytest.importorskip("numpy")
     model = small_mlp()
     ema = fused_ema.ModelEma(model, decay=0.999, warmup=True)
     for step in (1, 2, 10, 500):
         value = {
             "int": step,
+            "numpy-int": np.int64(step),
             "cpu-tensor": torch.tensor(step),
-            "float-tensor": torch.tensor(float(step)),
+            "int32-tensor": torch.tensor([step], dtype=torch.int32),
         }[kind]
         ema.update(model, step=value)
         assert ema.step == step
         assert ema.current_decay == pytest.approx(python_decay(step, 0.999, (1.0, 2 / 3)))
 
 
-def test_bad_steps_are_refused_and_change_nothing():
+BAD_STEPS = [
+    2.5,
+    3.0,
+    float("nan"),
+    -1,
+    2**53 + 1,
+    2**70,
+    True,
+    "7",
+    torch.tensor([1, 2]),
+    torch.tensor(3.0),
+    torch.tensor(True),
+    torch.tensor(-4),
+    torch.tensor(2**60),
+    torch.tensor(5, device="meta"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_STEPS, ids=repr)
+def test_bad_steps_are_refused_and_change_nothing(bad):
     model = small_mlp()
-    ema = fused_ema.ModelEma(model)
+    ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ema.update(model)
-    for bad in (2.5, torch.tensor([1, 2]), True):
-        with pytest.raises(ValueError, match="step"):
-            ema.update(model, step=bad)
-        assert ema.step == 1
+    train_step(model, opt)
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    decay = ema.current_decay
+    train_step(model, opt)
+    with pytest.raises(ValueError, match="step"):
+        ema.update(model, step=bad)
+    assert ema.step == 2 and ema.current_decay == decay
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
 
 
 def test_integer_buffers_are_copied_exactly_float_buffers_averaged():
@@ -309,7 +337,7 @@ def test_bad_arguments(kwargs, match):
 
 @pytest.mark.parametrize("step", [None, 7])
 def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
-    import fused_ema.ema as ema_module
+    import fused_ema._plan as plan_module
 
     model = small_mlp()
     ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)
@@ -320,7 +348,7 @@ def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(ema_module, "lerp_", broken)
+    monkeypatch.setattr(plan_module, "lerp_", broken)
     with pytest.raises(RuntimeError, match="kernel exploded"):
         ema.update(model, step=step)
     assert ema.step == 1 and ema.current_decay == decay_before

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fused_ema
-import fused_ema.ema as ema_module
+import fused_ema._plan as plan_module
 from ema_helpers import small_mlp, train_step
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -177,7 +177,7 @@ def test_cuda_graph_capture_replays_with_a_changing_decay():
 @pytest.fixture
 def slow_worker(monkeypatch):
     """Makes the worker's CPU update take a while, so ordering bugs cannot hide behind speed."""
-    real = ema_module.lerp_
+    real = plan_module.lerp_
     main = threading.main_thread()
 
     def slow(*args, **kwargs):
@@ -185,7 +185,7 @@ def slow_worker(monkeypatch):
             time.sleep(0.2)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ema_module, "lerp_", slow)
+    monkeypatch.setattr(plan_module, "lerp_", slow)
 
 
 def run_pair(steps, non_blocking_model, device="cpu"):
@@ -261,18 +261,27 @@ def test_worker_errors_surface_at_the_next_call(monkeypatch):
     model = small_mlp()
     ema = fused_ema.ModelEma(model, decay=0.5, device="cpu")
     main = threading.main_thread()
-    real = ema_module.lerp_
+    real = plan_module.lerp_
 
     def failing(*args, **kwargs):
         if threading.current_thread() is not main:
             raise RuntimeError("disk on fire")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ema_module, "lerp_", failing)
+    monkeypatch.setattr(plan_module, "lerp_", failing)
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
     ema.update(model, non_blocking=True)
     with pytest.raises(RuntimeError, match="disk on fire"):
         ema.update(model)
-    monkeypatch.setattr(ema_module, "lerp_", real)
+    # the failed update wrote nothing and its step is undone
+    assert ema.step == 1
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
+    monkeypatch.setattr(plan_module, "lerp_", real)
     ema.update(model, non_blocking=True)
     ema.synchronize()  # and the EMA works again afterwards
 

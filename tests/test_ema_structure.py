@@ -64,22 +64,98 @@ def test_error_lists_every_added_removed_reshaped_and_replaced_name():
     assert ema.step == step
 
 
-def test_inserted_module_is_not_mispaired():
-    # Pairing by position would average the new layer into the old one's EMA.
+@pytest.mark.parametrize("how", ["update", "resync"])
+def test_inserted_module_keeps_every_tensors_own_average(how):
+    # Pairing by position, or by name, would average the new layer into the old one's EMA.
     torch.manual_seed(1)
-    model = trained(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model = trained(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)))
     ema = fused_ema.ModelEma(model, decay=0.5, on_mismatch="resync")
     ema.update(model)
-    old_second = ema.module[1].weight.detach().clone()
-    model.insert(1, nn.Linear(4, 4))  # the old "1" becomes "2"
+    trained(model, 1, seed=5)
+    ema.update(model)  # the EMA now differs from the model
+    averages = {name: value.clone() for name, value in ema.state_dict()["weights"].items()}
+    inserted = nn.Linear(4, 4)
+    model.insert(1, inserted)  # the old "1" becomes "2", the old "2" becomes "3"
+    if how == "resync":
+        ema.resync(model)
+    else:
+        ema.update(model)
+    assert ema.names() == [f"{i}.{p}" for i in range(4) for p in ("weight", "bias")]
+    weights = ema.state_dict()["weights"]
+    moved = {"0": "0", "2": "1", "3": "2"}  # new name -> old name
+    for new, old in moved.items():
+        for p in ("weight", "bias"):
+            before = averages[f"{old}.{p}"]
+            current = getattr(model[int(new)], p).detach()
+            expected = before if how == "resync" else before + 0.5 * (current - before)
+            torch.testing.assert_close(weights[f"{new}.{p}"], expected, rtol=0, atol=0)
+    # only the inserted layer starts from the model
+    assert torch.equal(weights["1.weight"], inserted.weight)
+    assert torch.equal(weights["1.bias"], inserted.bias)
+
+
+def test_renamed_module_keeps_its_average_and_error_mode_names_it():
+    torch.manual_seed(4)
+    model = nn.Module()
+    model.add_module("body", nn.Linear(3, 3))
+    ema = fused_ema.ModelEma(model, decay=0.5)
     ema.update(model)
-    names = ema.names()
-    assert names[:6] == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
-    # the name "1.*" now belongs to the inserted layer: same shape, so its entry is kept and
-    # averaged toward the new tensor; "2.*" is new and starts from the model
-    assert torch.equal(ema.module[2].weight, model[2].weight)
-    expected = old_second + 0.5 * (model[1].weight.detach() - old_second)
-    torch.testing.assert_close(ema.module[1].weight, expected)
+    with torch.no_grad():
+        model.body.weight.add_(1.0)
+    ema.update(model)
+    average = ema.state_dict()["weights"]["body.weight"].clone()
+    model.add_module("trunk", model._modules.pop("body"))
+    with pytest.raises(fused_ema.StructureMismatchError, match="body.weight -> trunk.weight"):
+        ema.update(model)
+    assert torch.equal(ema.state_dict()["weights"]["body.weight"], average)
+    ema.resync(model)
+    assert torch.equal(ema.state_dict()["weights"]["trunk.weight"], average)
+
+
+def test_none_module_and_none_parameter_do_not_break_updates():
+    model = small_mlp()
+    model.register_module("gone", None)
+    model[0].register_parameter("extra", None)
+    model[1].register_buffer("nothing", None)
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    ema.update(model)
+    assert "gone" not in " ".join(ema.names()) and ema.step == 2
+
+
+def test_complex_parameters_are_refused_at_construction_and_complex_buffers_copied():
+    model = small_mlp()
+    model.register_parameter("phase", nn.Parameter(torch.randn(3, dtype=torch.complex64)))
+    with pytest.raises(ValueError, match="phase is torch.complex64"):
+        fused_ema.ModelEma(model)
+    model = small_mlp()
+    model.register_buffer("freqs", torch.randn(4, dtype=torch.complex64))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    with torch.no_grad():
+        model.freqs.mul_(2)
+    ema.update(model)
+    ema.update(model)
+    assert torch.equal(ema.state_dict()["weights"]["freqs"], model.freqs)
+
+
+def test_meta_model_then_to_empty_and_resync():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+        for b in model.buffers():
+            b.zero_() if not b.is_floating_point() else b.fill_(0.5)
+    with pytest.raises(fused_ema.StructureMismatchError, match="meta"):
+        ema.update(model)
+    ema.resync(model)
+    ema.update(model)
+    weights = ema.state_dict()["weights"]
+    for name, value in model.state_dict().items():
+        assert weights[name].device.type == "cpu"
+        assert torch.equal(weights[name].to(value.dtype), value), name
 
 
 def test_resync_mode_follows_a_replaced_head():

@@ -1,0 +1,224 @@
+"""The EMA's decay schedule and step counter. Options are checked once; the step, the weight of
+the current step and the options live in tensors where the EMA lives (csrc/schedule*), so an
+update reads nothing back to the host. A step can be begun and rolled back; once a CUDA graph has
+captured them, the tensors stay where they are."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from ._loader import _C
+
+#: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
+MAX_STEP = int(getattr(_C, "MAX_STEP", 2**53))
+_OLD_OP = len(torch.ops.fused_ema.ema_schedule_.default._schema.arguments) == 9
+DEFAULT_WARMUP = (1.0, 2.0 / 3.0)  # timm's and ema-pytorch's (gamma, power)
+OPTION_KEYS = ("decay", "min_decay", "warmup", "update_after_step", "update_every")
+
+
+def _real(name: str, value, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+    value = float(value)
+    if not (low <= value <= high):  # also refuses NaN
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+    return value
+
+
+def whole_number(name: str, value, low: int, high: int = MAX_STEP) -> int:
+    """An int (or numpy integer) in [low, high]; refuses bool, float, NaN and other types."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"{name} must be a whole number in [{low}, {high}], got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be a whole number in [{low}, {high}], got {type(value).__name__} "
+            f"{value!r}"
+        ) from None
+    if not low <= number <= high:
+        raise ValueError(f"{name} must be a whole number in [{low}, {high}], got {number}")
+    return number
+
+
+def check_options(decay, min_decay=0.0, warmup=False, update_after_step=0, update_every=1):
+    """The schedule options, validated and normalised (warmup: None or (gamma, power))."""
+    decay = _real("decay", decay, 0.0, 1.0)
+    min_decay = _real("min_decay", min_decay, 0.0, decay)
+    if warmup is True:
+        warmup = DEFAULT_WARMUP
+    if warmup is False or warmup is None:
+        warmup = None
+    else:
+        try:
+            gamma, power = (float(v) for v in warmup)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"warmup must be False, True or (gamma, power), got {warmup!r}"
+            ) from None
+        if not (0 < gamma < math.inf and 0 < power < math.inf):
+            raise ValueError(f"warmup gamma and power must be positive and finite, got {warmup!r}")
+        warmup = (gamma, power)
+    return {
+        "decay": decay,
+        "min_decay": min_decay,
+        "warmup": warmup,
+        "update_after_step": whole_number("update_after_step", update_after_step, 0),
+        "update_every": whole_number("update_every", update_every, 1),
+    }
+
+
+def options_from_state(schedule) -> dict:
+    """check_options for a schedule read from a checkpoint (a dict of OPTION_KEYS)."""
+    if not isinstance(schedule, dict):
+        raise ValueError(f"expected a dict, got {type(schedule).__name__}")
+    unknown = sorted(map(str, set(schedule) - set(OPTION_KEYS)))
+    if unknown:
+        raise ValueError(f"unknown schedule keys {unknown}")
+    if "decay" not in schedule:
+        raise ValueError("'decay' is missing")
+    return check_options(**{k: schedule[k] for k in OPTION_KEYS if k in schedule})
+
+
+def _config_values(options: dict) -> list[float]:
+    gamma, power = options["warmup"] or (0.0, 1.0)
+    return [
+        options["decay"],
+        options["min_decay"],
+        gamma,
+        power,
+        float(options["update_after_step"]),
+        float(options["update_every"]),
+    ]
+
+
+class Schedule:
+    """The step counter and the weight of its step, in tensors on one device.
+
+    `begin(step)` moves the counter for an update (validating `step` first), `rollback()` undoes
+    the latest begin if the update it belongs to did nothing, `commit()` makes it final."""
+
+    def __init__(self, options: dict, device: torch.device):
+        self.options = options
+        self.captured = False  # a CUDA graph holds pointers to these tensors
+        self._make_tensors(device, step=0)
+        self._dirty = False
+
+    def _make_tensors(self, device, step: int) -> None:
+        self.step = torch.full((), step, dtype=torch.int64, device=device)
+        self._saved = torch.zeros_like(self.step)
+        self.out = torch.zeros(2, dtype=torch.float64, device=device)  # (weight, decay)
+        self.config = torch.tensor(_config_values(self.options), dtype=torch.float64)
+        self.config = self.config.to(device)
+        self.weight = self.out[:1]  # what the fused kernel reads: no host sync
+        with torch.no_grad():
+            self._compute(advance=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.step.device
+
+    def _compute(self, advance: bool) -> None:
+        if _OLD_OP:  # TEMPORARY until the one-tensor schedule op lands
+            o = self.options
+            g, p = o["warmup"] or (0.0, 1.0)
+            torch.ops.fused_ema.ema_schedule_(self.step, self.out, advance, o["decay"],
+                o["min_decay"], g, p, o["update_after_step"], o["update_every"])
+            return
+        torch.ops.fused_ema.ema_schedule_(self.step, self.out, self.config, advance)
+
+    # ------------------------------------------------------------------ one update
+
+    def check_step(self, step) -> int | torch.Tensor | None:
+        """Validates an update's `step` before anything changes."""
+        if step is None:
+            return None
+        if isinstance(step, torch.Tensor):
+            if step.numel() != 1:
+                raise ValueError(f"step must be one number, got a tensor of shape {list(step.shape)}")
+            if step.dtype == torch.bool or step.is_floating_point() or step.is_complex():
+                raise ValueError(f"step must be an integer tensor, got {step.dtype}")
+            if step.is_meta:
+                raise ValueError("step is a meta tensor, which holds no value")
+            if step.device.type == "cpu":
+                # Read in C++, not in Python: no host sync and nothing Python-visible to count.
+                value = step.reshape(()).to(torch.int64)
+                ok = (value >= 0) & (value <= MAX_STEP)
+                try:
+                    torch._assert_async(ok)
+                except RuntimeError:
+                    raise ValueError(
+                        f"step must be a whole number in [0, {MAX_STEP}], got {int(step)}"
+                    ) from None
+            return step
+        return whole_number("step", step, 0)
+
+    def begin(self, step) -> None:
+        """Sets (`step` given) or advances the counter and computes this step's weight. A device
+        step tensor out of [0, MAX_STEP] cannot be refused without a sync: it makes the update
+        a no-op (weight 0)."""
+        self._saved.copy_(self.step)
+        self._dirty = True  # from here on rollback() restores _saved (a no-op if unchanged)
+        if step is None:
+            self._compute(advance=True)
+            return
+        if isinstance(step, torch.Tensor):
+            if step.device == self.step.device or step.device.type != "cpu":
+                self.step.copy_(step.reshape(()))
+            else:
+                self.step.fill_(int(step))  # a CPU tensor for a device counter: no device sync
+        else:
+            self.step.fill_(step)
+        self._compute(advance=False)
+
+    def commit(self) -> None:
+        self._dirty = False
+
+    def rollback(self) -> None:
+        """Undoes the latest begin()."""
+        if self._dirty:
+            self.step.copy_(self._saved)
+            self._compute(advance=False)
+            self._dirty = False
+
+    def note_capture(self) -> None:
+        if self.step.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.captured = True
+
+    # ------------------------------------------------------------------ placement and state
+
+    def place(self, device: torch.device) -> None:
+        """Moves the tensors to `device` (where the EMA's first non-CPU tensor lives)."""
+        if self.step.device == device:
+            return
+        if self.captured:
+            raise RuntimeError(
+                f"fused_ema: the EMA's step counter was captured in a CUDA graph on "
+                f"{self.step.device}; moving it to {device} would leave the graph reading freed "
+                "memory. Keep the EMA on the device it was captured on, or build a new EMA."
+            )
+        step = self.step.to(device)
+        self.step, self.out = step, self.out.to(device)
+        self._saved = torch.zeros_like(step)
+        self.config = self.config.to(device)
+        self.weight = self.out[:1]
+
+    def value(self) -> int:
+        return int(self.step.item())
+
+    def current_decay(self) -> float:
+        return float(self.out[1].item())
+
+    def load(self, options: dict | None, step: int | None) -> None:
+        """Applies already validated options and step."""
+        with torch.no_grad():
+            if options is not None:
+                config = torch.tensor(_config_values(options), dtype=torch.float64)
+                self.config.copy_(config)
+                self.options = options
+            if step is not None:
+                self.step.fill_(step)
+            self._compute(advance=False)

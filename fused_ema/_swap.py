@@ -1,0 +1,135 @@
+"""Putting EMA weights into a model's own tensors and back (ModelEma.swapped, copy_to). Same
+dtype and device: the values are exchanged in place through a scratch buffer of at most
+SWAP_CHUNK_BYTES per dtype and device. Otherwise (a bf16 model with a float32 EMA, an EMA on
+another device, tensors sharing memory) the model's values are saved aside first. Every write is
+undone if the swap-in fails part-way."""
+
+from __future__ import annotations
+
+import torch
+
+from ._dtensor import copy_into, local
+
+#: The scratch buffer an in-place exchange uses, per dtype and device.
+SWAP_CHUNK_BYTES = 16 << 20
+
+
+def check_writable(pairs) -> None:
+    """Refuses model tensors the EMA weights cannot be written into, before anything changes."""
+    bad = [
+        name
+        for name, _, target in pairs
+        if local(target).is_inference() and not torch.is_inference_mode_enabled()
+    ]
+    if bad:
+        raise RuntimeError(
+            f"fused_ema: {len(bad)} model tensors are inference tensors (e.g. {bad[0]}), which "
+            "cannot be written outside torch.inference_mode(); nothing was changed"
+        )
+
+
+def _shared_storage(pairs) -> set:
+    """Names of model tensors sharing memory with another tracked model tensor."""
+    owners: dict = {}
+    for name, _, target in pairs:
+        t = local(target)
+        if t.numel() == 0:
+            continue
+        owners.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(name)
+    return {name for names in owners.values() if len(names) > 1 for name in names}
+
+
+class Swap:
+    """The writes of one swap-in, and how to undo them."""
+
+    def __init__(self, pairs):
+        self._pairs = pairs  # (name, ema tensor, model tensor)
+        self._exchanged: list = []
+        self._saved: list = []
+        self._scratch: dict = {}
+
+    def scratch_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self._scratch.values())
+
+    def saved_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for _, s in self._saved)
+
+    def swap_in(self) -> None:
+        shared = _shared_storage(self._pairs)
+        try:
+            with torch.no_grad():
+                for name, ema, target in self._pairs:
+                    t, e = local(target), local(ema)
+                    if name not in shared and _exchangeable(t, e):
+                        self._exchange(t, e)
+                        self._exchanged.append((t, e))
+                    else:
+                        self._saved.append((t, t.clone()))
+                        copy_into(target, ema)
+        except BaseException:
+            self.swap_out()
+            raise
+
+    def swap_out(self) -> None:
+        with torch.no_grad():
+            for t, e in reversed(self._exchanged):
+                self._exchange(t, e)
+            for t, original in reversed(self._saved):
+                t.copy_(original)
+        self._exchanged, self._saved, self._scratch = [], [], {}
+
+    def _exchange(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.numel() == 0:
+            return
+        flat_a, flat_b = a.view(-1), b.view(-1)
+        step = max(1, SWAP_CHUNK_BYTES // a.element_size())
+        key = (a.device, a.dtype)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < min(step, a.numel()):
+            scratch = self._scratch[key] = torch.empty(min(step, a.numel()), dtype=a.dtype,
+                                                       device=a.device)
+        done = []
+        try:
+            for start in range(0, a.numel(), step):
+                ca, cb = flat_a[start : start + step], flat_b[start : start + step]
+                _exchange_chunk(ca, cb, scratch[: ca.numel()])
+                done.append((ca, cb))
+        except BaseException:
+            for ca, cb in reversed(done):
+                _exchange_chunk(ca, cb, scratch[: ca.numel()])
+            raise
+
+
+def _exchangeable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.is_contiguous()
+        and b.is_contiguous()
+    )
+
+
+def _exchange_chunk(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
+    scratch.copy_(a)
+    a.copy_(b)
+    try:
+        b.copy_(scratch)
+    except BaseException:
+        a.copy_(scratch)
+        raise
+
+
+def copy_all(pairs) -> None:
+    """EMA weights into the model (copy_to). Checked first; if an interrupt lands part-way, the
+    remaining copies still run before it propagates."""
+    done = 0
+    with torch.no_grad():
+        try:
+            for _, ema, target in pairs:
+                copy_into(target, ema)
+                done += 1
+        except BaseException:
+            for _, ema, target in pairs[done:]:
+                copy_into(target, ema)
+            raise
