@@ -135,6 +135,10 @@ def tensor_walk(model: nn.Module, with_buffers: bool = True) -> list:
 # ---------------------------------------------------------------------- the EMA's entries
 
 
+def unbound():  # stands in for the weakref of an entry bound to no tensor yet (unpickled)
+    return None
+
+
 @dataclass
 class Entry:
     """One distinct model tensor followed by the EMA, under all its names."""
@@ -149,9 +153,9 @@ class Entry:
     def name(self) -> str:
         return self.names[0]
 
-
-def unbound():  # stands in for the weakref of an entry bound to no tensor yet (unpickled)
-    return None
+    def __getstate__(self) -> dict:
+        # A copy follows the model by name until its next update binds it again.
+        return {**self.__dict__, "bound": unbound}
 
 
 @dataclass

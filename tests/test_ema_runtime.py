@@ -321,3 +321,62 @@ def test_cuda_model_cpu_ema_non_blocking_is_stream_ordered():
     for name, value in expected.items():
         previous = value - 1.0
         torch.testing.assert_close(weights[name], previous + 0.5 * (value - previous))
+
+
+def _compiled_update():
+    def apply_step(net, averager, step):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(0.5)
+        averager.update(net, step)
+
+    return torch.compile(apply_step, fullgraph=True)
+
+
+def test_compiled_update_refuses_a_replaced_parameter_as_eager_does():
+    torch._dynamo.reset()
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    compiled = _compiled_update()
+    step = torch.zeros((), dtype=torch.int64)
+    for _ in range(3):
+        step += 1
+        compiled(model, ema, step)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    model[0].weight = torch.nn.Parameter(torch.randn(16, 6))  # same name and shape, new tensor
+    step += 1
+    with pytest.raises(fused_ema.StructureMismatchError, match="0.weight"):
+        compiled(model, ema, step)
+    assert ema.step == 3
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
+    ema.resync(model)
+    compiled(model, ema, step)
+    assert ema.step == 4
+
+
+def test_compiled_update_on_a_checkpoint_wrapped_model():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch._dynamo.reset()
+    torch.manual_seed(8)
+    model = small_mlp()
+    model[0] = checkpoint_wrapper(model[0])
+    eager_model = small_mlp()
+    eager_model[0] = checkpoint_wrapper(eager_model[0])
+    eager_model.load_state_dict(model.state_dict())
+    ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)
+    eager = fused_ema.ModelEma(eager_model, decay=0.9, warmup=True)
+    assert "0.weight" in ema.names()
+    compiled = _compiled_update()
+    step = torch.zeros((), dtype=torch.int64)
+    for _ in range(4):
+        step += 1
+        compiled(model, ema, step)
+        with torch.no_grad():
+            for p in eager_model.parameters():
+                p.mul_(0.5)
+        eager.update(eager_model, step)
+    ours, theirs = ema.state_dict()["weights"], eager.state_dict()["weights"]
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name

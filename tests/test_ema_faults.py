@@ -1,0 +1,377 @@
+"""All or nothing: every public ModelEma call that raises (bad input, a failing worker, an
+interrupt, a corrupted checkpoint, a model tensor that cannot be written) leaves the EMA's
+tensors, step and schedule, and the model, bit-identical to before, and the EMA usable."""
+
+import copy
+import gc
+import math
+import pickle
+import signal
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import fused_ema
+from ema_helpers import TiedNet, small_mlp, train_step
+
+
+def trained(model, steps=2, seed=0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        train_step(model, opt, g)
+    return model
+
+
+def state_of(ema):
+    """Everything that must not change: weights (bitwise), step, decay and schedule."""
+    sd = ema.state_dict()
+    return (
+        {k: v.clone() for k, v in sd["weights"].items()},
+        ema.step,
+        ema.current_decay,
+        dict(sd["schedule"]),
+    )
+
+
+def assert_same_state(ema, before):
+    weights, step, decay, schedule = state_of(ema)
+    assert set(weights) == set(before[0])
+    for name, value in before[0].items():
+        assert torch.equal(weights[name], value), name
+    assert (step, schedule) == (before[1], before[3])
+    assert decay == before[2] or (math.isnan(decay) and math.isnan(before[2]))
+
+
+def model_values(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_model_unchanged(model, before):
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def moved_ema(**kwargs):
+    """An EMA that has averaged a few steps and differs from its model."""
+    torch.manual_seed(0)
+    model = trained(small_mlp())
+    ema = fused_ema.ModelEma(model, decay=0.5, **kwargs)
+    ema.update(model)
+    trained(model, 1, seed=1)
+    ema.update(model)
+    trained(model, 1, seed=2)
+    return model, ema
+
+
+# ---------------------------------------------------------------------- load_state_dict
+
+
+def _corrupt(kind):
+    def mutate(sd):
+        if kind == "step-2**63":
+            sd["step"] = 2**63
+        elif kind == "step-1e30":
+            sd["step"] = 1e30
+        elif kind == "step-nan":
+            sd["step"] = float("nan")
+        elif kind == "step-negative":
+            sd["step"] = torch.tensor(-5)
+        elif kind == "step-float":
+            sd["step"] = 2.5
+        elif kind == "update_after_step-2**70":
+            sd["schedule"]["update_after_step"] = 2**70
+        elif kind == "update_every-0":
+            sd["schedule"]["update_every"] = 0
+        elif kind == "decay-nan":
+            sd["schedule"]["decay"] = float("nan")
+        elif kind == "warmup-inf":
+            sd["schedule"]["warmup"] = (math.inf, 1.0)
+        elif kind == "sparse":
+            sd["weights"]["0.weight"] = sd["weights"]["0.weight"].to_sparse()
+        elif kind == "meta":
+            sd["weights"]["0.bias"] = sd["weights"]["0.bias"].to("meta")
+        elif kind == "nested":
+            w = sd["weights"]["3.bias"]
+            sd["weights"]["3.bias"] = torch.nested.nested_tensor([w, w])
+        elif kind == "wrong-shape":
+            sd["weights"]["3.weight"] = torch.randn(5, 5)
+        elif kind == "integer":
+            sd["weights"]["0.weight"] = sd["weights"]["0.weight"].long()
+        elif kind == "not-a-tensor":
+            sd["weights"]["0.weight"] = [1.0, 2.0]
+        elif kind == "missing":
+            del sd["weights"]["1.running_var"]
+        return sd
+
+    return mutate
+
+
+CORRUPTIONS = [
+    "step-2**63",
+    "step-1e30",
+    "step-nan",
+    "step-negative",
+    "step-float",
+    "update_after_step-2**70",
+    "update_every-0",
+    "decay-nan",
+    "warmup-inf",
+    "sparse",
+    "meta",
+    "nested",
+    "wrong-shape",
+    "integer",
+    "not-a-tensor",
+    "missing",
+]
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_a_corrupted_checkpoint_changes_nothing_and_the_ema_keeps_working(kind):
+    model, ema = moved_ema(warmup=True)
+    source = copy.deepcopy(ema)
+    trained(model, 1, seed=7)
+    source.update(model)
+    sd = source.state_dict()
+    sd = {**sd, "weights": dict(sd["weights"]), "schedule": dict(sd["schedule"])}
+    sd = _corrupt(kind)(sd)
+    before = state_of(ema)
+    with pytest.raises(fused_ema.CheckpointError):
+        ema.load_state_dict(sd)
+    assert_same_state(ema, before)
+    ema.update(model)  # still usable
+    assert ema.step == before[1] + 1
+
+
+def test_a_truncated_file_changes_nothing(tmp_path):
+    model, ema = moved_ema()
+    path = tmp_path / "ema.pt"
+    torch.save(ema.state_dict(), path)
+    path.write_bytes(path.read_bytes()[:200])
+    before = state_of(ema)
+    with pytest.raises(fused_ema.CheckpointError, match="could not read it"):
+        ema.load_state_dict(path)
+    assert_same_state(ema, before)
+
+
+# ---------------------------------------------------------------------- swapped()
+
+
+def test_swap_in_failing_part_way_restores_both_sides():
+    model, ema = moved_ema()
+    with torch.inference_mode():
+        frozen = torch.randn(4)
+    model[3].bias = nn.Parameter(frozen, requires_grad=False)  # an inference tensor, last
+    ema.resync(model)
+    before, values = state_of(ema), model_values(model)
+    with pytest.raises(RuntimeError, match="inference"):
+        with ema.swapped(model):
+            pass
+    assert_same_state(ema, before)
+    assert_model_unchanged(model, values)
+
+
+def test_swap_in_interrupted_in_the_middle_restores_both_sides(monkeypatch):
+    import fused_ema._swap as swap_module
+
+    model, ema = moved_ema()
+    before, values = state_of(ema), model_values(model)
+    real, calls = swap_module._exchange_chunk, []
+
+    def interrupted(a, b, scratch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(a, b, scratch)
+
+    monkeypatch.setattr(swap_module, "_exchange_chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with ema.swapped(model):
+            pass
+    monkeypatch.setattr(swap_module, "_exchange_chunk", real)
+    assert_same_state(ema, before)
+    assert_model_unchanged(model, values)
+
+
+def test_swapping_parameters_that_share_memory_restores_both_sides():
+    torch.manual_seed(3)
+    model = nn.Module()
+    storage = torch.randn(10)
+    model.a = nn.Parameter(storage[:6])
+    model.b = nn.Parameter(storage[4:])  # overlaps a on elements 4 and 5
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    with torch.no_grad():
+        storage.mul_(3.0)
+    ema.update(model)
+    before, values = state_of(ema), model_values(model)
+    with ema.swapped(model):
+        assert torch.equal(model.b.detach(), before[0]["b"])  # the later one wins the overlap
+        assert torch.equal(model.a.detach()[:4], before[0]["a"][:4])
+    assert_same_state(ema, before)
+    assert_model_unchanged(model, values)
+
+
+def test_module_call_inside_swapped_raises_instead_of_running_training_weights():
+    model, ema = moved_ema()
+    x = torch.randn(3, 6)
+    module = ema.module
+    with ema.swapped(model):
+        with pytest.raises(RuntimeError, match="inside `with ema.swapped"):
+            module(x)
+        expected = model.eval()(x)
+    torch.testing.assert_close(module(x), expected)
+
+
+def test_swapped_memory_is_bounded_by_the_scratch_chunk(monkeypatch):
+    import fused_ema._swap as swap_module
+
+    monkeypatch.setattr(swap_module, "SWAP_CHUNK_BYTES", 4096)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model)
+    seen = []
+    real_init = swap_module.Swap.swap_in
+
+    def spy(self):
+        real_init(self)
+        seen.append((self.scratch_bytes(), self.saved_bytes()))
+
+    monkeypatch.setattr(swap_module.Swap, "swap_in", spy)
+    before = state_of(ema)
+    with ema.swapped(model):
+        for name, value in before[0].items():
+            assert torch.equal(model.state_dict()[name], value), name
+    assert seen == [(4096, 0)]  # one chunk of scratch, nothing saved aside
+    assert_same_state(ema, before)
+
+
+def test_swapped_bf16_model_with_fp32_ema_saves_the_model_aside():
+    torch.manual_seed(5)
+    model = small_mlp(dtype=torch.bfloat16)
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    values = model_values(model)
+    averages = ema.state_dict()["weights"]
+    with ema.swapped(model):
+        for name, value in averages.items():
+            assert torch.equal(model.state_dict()[name], value.to(torch.bfloat16)), name
+    assert_model_unchanged(model, values)
+
+
+# ---------------------------------------------------------------------- updates
+
+
+def test_integer_buffer_resized_in_place_changes_nothing():
+    model, ema = moved_ema()
+    before = state_of(ema)
+    model[1].num_batches_tracked.resize_(2)
+    with pytest.raises(fused_ema.StructureMismatchError, match="nothing was changed") as info:
+        ema.update(model)
+    assert "1.num_batches_tracked" in str(info.value)
+    assert_same_state(ema, before)
+
+
+@pytest.mark.parametrize("delay_ms", [0.2, 1, 3, 8, 20, 50])
+def test_an_interrupt_during_an_update_is_all_or_nothing(delay_ms):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    torch.manual_seed(6)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(24)])
+    ema = fused_ema.ModelEma(model, decay=0.75, device="cpu", dtype=torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    reference = {k: v.double().clone() for k, v in ema.state_dict()["weights"].items()}
+    target = {k: v.double() for k, v in model.state_dict().items()}
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    outcomes = set()
+    try:
+        for _ in range(6):
+            step = ema.step
+            signal.setitimer(signal.ITIMER_REAL, delay_ms / 1000)
+            try:
+                ema.update(model)
+            except KeyboardInterrupt:
+                outcomes.add("interrupted")
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            weights = ema.state_dict()["weights"]
+            if ema.step == step + 1:
+                weight = 1.0 if step == 0 else 0.25
+                for k in reference:
+                    reference[k] += weight * (target[k] - reference[k])
+            else:
+                assert ema.step == step
+            for k, v in reference.items():
+                torch.testing.assert_close(weights[k], v, rtol=1e-12, atol=1e-12)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_del_ema_frees_it_at_once_without_a_gc_pass():
+    model = small_mlp()
+    gc.disable()
+    try:
+        ema = fused_ema.ModelEma(model, decay=0.5)
+        ema.update(model)
+        ema.update(model, non_blocking=True)
+        ema.synchronize()
+        module = ema.module  # the view holds the EMA weakly
+        probe = weakref.ref(ema)
+        tensor = weakref.ref(ema.state_dict()["weights"]["0.weight"])
+        del ema, module
+        assert probe() is None, "a reference cycle keeps the EMA alive"
+        assert tensor() is None, "the EMA's tensors outlive it"
+    finally:
+        gc.enable()
+
+
+def test_deepcopy_after_a_non_blocking_update_and_pickling_round_trip():
+    model, ema = moved_ema(device="cpu")
+    ema.update(model, non_blocking=True)
+    twin = copy.deepcopy(ema)
+    restored = pickle.loads(pickle.dumps(ema))
+    expected = ema.state_dict()["weights"]
+    for other in (twin, restored):
+        assert other.step == ema.step
+        for name, value in other.state_dict()["weights"].items():
+            assert torch.equal(value, expected[name]), name
+        assert other.state_dict()["weights"]["0.weight"].data_ptr() != expected[
+            "0.weight"
+        ].data_ptr()
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(restored.module(x), ema.module(x))
+    # the copies are independent EMAs that keep working
+    trained(model, 1, seed=9)
+    for other in (ema, twin, restored):
+        other.update(model)
+    for other in (twin, restored):
+        for name, value in other.state_dict()["weights"].items():
+            assert torch.equal(value, ema.state_dict()["weights"][name]), name
+
+
+def test_pickled_module_loads_standalone():
+    model, ema = moved_ema()
+    module = pickle.loads(pickle.dumps(ema.module))
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(module(x), ema.module(x))
+
+
+def test_tied_weights_survive_pickling():
+    model = TiedNet()
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    restored = pickle.loads(pickle.dumps(ema))
+    m = restored.module
+    assert m.head.weight is m.embed.weight
+    restored.update(model)
+    assert restored.step == 1
