@@ -13,8 +13,7 @@ import torch
 from ._loader import _C
 
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
-MAX_STEP = int(getattr(_C, "MAX_STEP", 2**53))
-_OLD_OP = len(torch.ops.fused_ema.ema_schedule_.default._schema.arguments) == 9
+MAX_STEP = int(_C.MAX_STEP)
 DEFAULT_WARMUP = (1.0, 2.0 / 3.0)  # timm's and ema-pytorch's (gamma, power)
 OPTION_KEYS = ("decay", "min_decay", "warmup", "update_after_step", "update_every")
 
@@ -122,12 +121,6 @@ class Schedule:
         return self.step.device
 
     def _compute(self, advance: bool) -> None:
-        if _OLD_OP:  # TEMPORARY until the one-tensor schedule op lands
-            o = self.options
-            g, p = o["warmup"] or (0.0, 1.0)
-            torch.ops.fused_ema.ema_schedule_(self.step, self.out, advance, o["decay"],
-                o["min_decay"], g, p, o["update_after_step"], o["update_every"])
-            return
         torch.ops.fused_ema.ema_schedule_(self.step, self.out, self.config, advance)
 
     # ------------------------------------------------------------------ one update

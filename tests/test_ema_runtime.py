@@ -380,3 +380,36 @@ def test_compiled_update_on_a_checkpoint_wrapped_model():
     ours, theirs = ema.state_dict()["weights"], eager.state_dict()["weights"]
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_a_captured_schedule_refuses_to_move(monkeypatch):
+    # CPU stand-in for a CUDA graph capture: the schedule marked captured must not move.
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    schedule = ema._schedule
+    schedule.captured = True
+    before = schedule.step
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph"):
+        schedule.place(torch.device("meta"))
+    assert schedule.step is before and ema.step == 1
+
+
+@cuda
+def test_a_cuda_graph_pins_the_schedule_to_its_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs to move the model across")
+    model = small_mlp(device="cuda:0")
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        ema.update(model)
+    graph.replay()
+    model.to("cuda:1")
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph"):
+        ema.update(model)
+    assert ema.step == 3
