@@ -128,7 +128,7 @@ def tensor_walk(model: nn.Module, with_buffers: bool = True) -> list:
             skip = module._non_persistent_buffers_set
             buffers = module._buffers
             extend([b for n, b in buffers.items() if n not in skip] if skip else buffers.values())
-        push([child for child in module._modules.values() if child is not None])
+        push([m for m in reversed(module._modules.values()) if m is not None])
     return out
 
 
