@@ -87,9 +87,9 @@ PyMethodDef kMethods[] = {
      "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
     {"tensor_walk", reinterpret_cast<PyCFunction>(fused_ema::python_tensor_walk),
      METH_VARARGS | METH_KEYWORDS,
-     "tensor_walk(model, with_buffers=True) -> list: per distinct module (depth-first pre-order, "
-     "None children skipped), its _parameters values, then its persistent _buffers values; "
-     "None entries kept."},
+     "tensor_walk(model, with_buffers=True, names=False) -> list: per distinct module "
+     "(depth-first pre-order, None children skipped), its _parameters values, then its "
+     "persistent _buffers values; None entries kept. names=True: (list, hash of the names)."},
     {"walk_signature", fused_ema::python_walk_signature, METH_O,
      "walk_signature(walk: list) -> bytes: each item's Python type, dtype, layout, device and "
      "sizes, or a None marker."},

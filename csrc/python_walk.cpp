@@ -225,8 +225,26 @@ class Walk {
   }
 
   std::vector<PyObject*> items;
+  // Folds in every parameter, buffer and child name in walk order: renaming a module, which
+  // leaves the tensors and their order as they were, still changes it.
+  uint64_t names_hash = 0xcbf29ce484222325ull;
 
  private:
+  bool mix(PyObject* key) {
+    if (!Safe && !PyUnicode_CheckExact(key)) {
+      needs_safe_ = true;  // hashing it could run Python code
+      return false;
+    }
+    const Py_hash_t h = PyObject_Hash(key);  // cached for str
+    if (h == -1) {
+      return false;
+    }
+    names_hash = (names_hash ^ static_cast<uint64_t>(h)) * 0x100000001b3ull;
+    return true;
+  }
+
+  Outcome failed() const { return needs_safe_ ? Outcome::kNeedsSafeWalk : Outcome::kError; }
+
   static void release(std::vector<PyObject*>& refs) {
     for (PyObject* ref : refs) {
       Py_XDECREF(ref);
@@ -262,11 +280,12 @@ class Walk {
         hold[k] = refs[k];
       }
     }
-    if (!for_each_item(d.parameters, [&](PyObject*, PyObject* value) {
+    names_hash = (names_hash + 1) * 0x100000001b3ull;  // a module boundary
+    if (!for_each_item(d.parameters, [&](PyObject* name, PyObject* value) {
           push_item(value);
-          return true;
+          return mix(name);
         })) {
-      return Outcome::kError;
+      return failed();
     }
     if (with_buffers_) {
       const bool skip_any = !PyAnySet_Check(d.skip) || PySet_GET_SIZE(d.skip) > 0;
@@ -274,26 +293,29 @@ class Walk {
             const int skipped = skip_any ? PySequence_Contains(d.skip, name) : 0;
             if (skipped == 0) {
               push_item(value);
+              return mix(name);
             }
             return skipped >= 0;
           })) {
-        return Outcome::kError;
+        return failed();
       }
     }
     const size_t first_child = stack_.size();
-    if (!for_each_item(d.children, [&](PyObject*, PyObject* child) {
+    if (!for_each_item(d.children, [&](PyObject* name, PyObject* child) {
           if (child != Py_None) {
             push_module(child);
+            return mix(name);
           }
           return true;
         })) {
-      return Outcome::kError;
+      return failed();
     }
     std::reverse(stack_.begin() + static_cast<std::ptrdiff_t>(first_child), stack_.end());
     return Outcome::kDone;
   }
 
   const bool with_buffers_;
+  bool needs_safe_ = false;
   std::vector<PyObject*> stack_;
   std::vector<PyObject*> held_;
   PointerSet seen_;
@@ -361,14 +383,25 @@ PyObject* referent(PyObject* ref) {
 
 PyObject* python_tensor_walk(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
   HANDLE_TH_ERRORS
-  static const char* kKeywords[] = {"model", "with_buffers", nullptr};
+  static const char* kKeywords[] = {"model", "with_buffers", "names", nullptr};
   PyObject* model = nullptr;
   int with_buffers = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:tensor_walk", const_cast<char**>(kKeywords),
-                                   &model, &with_buffers) ||
+  int names = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|pp:tensor_walk",
+                                   const_cast<char**>(kKeywords), &model, &with_buffers,
+                                   &names) ||
       !intern_names()) {
     return nullptr;
   }
+  // With names=True: (list, hash of every name in walk order), for a cheap rename check.
+  const auto result = [names](auto& walk) -> PyObject* {
+    const uint64_t hash = walk.names_hash;
+    PyObject* list = walk.to_list();
+    if (list == nullptr || !names) {
+      return list;
+    }
+    return Py_BuildValue("(NK)", list, static_cast<unsigned long long>(hash));
+  };
   {
     Walk<false> fast(with_buffers != 0);
     // Materialising a module's __dict__ allocates; a collection then could run finalizers.
@@ -378,14 +411,14 @@ PyObject* python_tensor_walk(PyObject* /*module*/, PyObject* args, PyObject* kwa
       PyGC_Enable();
     }
     if (outcome == Outcome::kDone) {
-      return fast.to_list();
+      return result(fast);
     }
     if (outcome == Outcome::kError) {
       return nullptr;
     }
   }
   Walk<true> safe(with_buffers != 0);
-  return safe.run(model) == Outcome::kDone ? safe.to_list() : nullptr;
+  return safe.run(model) == Outcome::kDone ? result(safe) : nullptr;
   END_HANDLE_TH_ERRORS
 }
 

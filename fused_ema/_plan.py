@@ -24,24 +24,9 @@ from .ops import SUPPORTED_DTYPE_PAIRS, lerp_
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
 
-# TEMPORARY until the C walk lands
-def _sig(walk):
-    return tuple(None if t is None else (type(t), t.dtype, t.device, tuple(t.shape)) for t in walk)
-
-
-walk_signature = getattr(_C, "walk_signature", _sig)
-walk_matches = getattr(
-    _C,
-    "walk_matches",
-    lambda walk, refs, sig: len(walk) == len(refs)
-    and all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, walk))
-    and _sig(walk) == sig,
-)
-take = getattr(_C, "take", lambda walk, idx: [walk[i] for i in idx])
-if not hasattr(_C, "tensor_walk"):
-    from ._tracking import tensor_walk as _tw
-
-    _C.tensor_walk = _tw
+walk_signature = _C.walk_signature
+walk_matches = _C.walk_matches
+take = _C.take
 
 
 def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
@@ -82,8 +67,9 @@ class CopyGroup:
 
 
 class UpdatePlan:
-    def __init__(self, table: EntryTable, walk: list, snapshot: bool = False):
+    def __init__(self, table: EntryTable, walk: list, names: int, snapshot: bool = False):
         self.snapshot = snapshot
+        self.names = names  # the walk's hash of every module, parameter and buffer name
         self.refs = tuple(None if t is None else weakref.ref(t) for t in walk)
         self.signature = walk_signature(walk)
         position: dict = {}
@@ -138,10 +124,10 @@ class UpdatePlan:
 
     # ------------------------------------------------------------------ checks
 
-    def matches(self, walk: list) -> bool:
-        """Whether the model holds exactly the tensor objects this plan was built for, with the
-        same types, dtypes, devices and shapes."""
-        return walk_matches(walk, self.refs, self.signature)
+    def matches(self, walk: list, names: int) -> bool:
+        """Whether the model holds exactly the tensor objects this plan was built for, under the
+        same names, with the same types, dtypes, devices and shapes."""
+        return names == self.names and walk_matches(walk, self.refs, self.signature)
 
     @property
     def has_staging(self) -> bool:

@@ -199,10 +199,10 @@ class ModelEma:
 
     def _update(self, model: nn.Module, step, non_blocking: bool, values=None) -> None:
         step = self._schedule.check_step(step)
-        walk = _C.tensor_walk(model, self._with_buffers)
+        walk, names = _C.tensor_walk(model, self._with_buffers, True)
         plan = self._plan
-        if plan is None or plan.snapshot != non_blocking or not plan.matches(walk):
-            plan = self._follow(model, walk, snapshot=non_blocking)
+        if plan is None or plan.snapshot != non_blocking or not plan.matches(walk, names):
+            plan = self._follow(model, walk, names, snapshot=non_blocking)
         if values is not None and len(values) != len(walk):
             raise RuntimeError("fused_ema: the compiled program walked another model structure")
         schedule = self._schedule
@@ -239,7 +239,7 @@ class ModelEma:
         self._pending_plan = None
         self._schedule.commit()
 
-    def _follow(self, model: nn.Module, walk: list, snapshot: bool = False) -> UpdatePlan:
+    def _follow(self, model: nn.Module, walk: list, names: int, snapshot: bool) -> UpdatePlan:
         """A new plan for a model whose tensors, placement or structure changed since the last
         one. Structure changes raise (on_mismatch="error") or are followed ("resync")."""
         tracked = named_tensors(model, self._with_buffers)
@@ -258,9 +258,9 @@ class ModelEma:
                 )
             with torch.no_grad():
                 table = table.followed(tracked, self._policy)
-        return self._adopt(model, table, tracked, walk, snapshot)
+        return self._adopt(model, table, tracked, (walk, names), snapshot)
 
-    def _adopt(self, model, table: EntryTable, tracked, walk, snapshot=False) -> UpdatePlan:
+    def _adopt(self, model, table: EntryTable, tracked, walk=None, snapshot=False) -> UpdatePlan:
         """Makes `table` the EMA's, placed for `model`, with a plan for `walk`; builds everything
         first and changes the EMA only once nothing can fail."""
         current = {n: t.tensor for t in tracked for n in t.names}
@@ -281,7 +281,7 @@ class ModelEma:
             ema.data = moved
         try:
             table.rebind(tracked)
-            plan = UpdatePlan(table, walk, snapshot) if walk is not None else None
+            plan = UpdatePlan(table, *walk, snapshot) if walk is not None else None
             self._schedule.place(_schedule_device(table))
             module = self._module
             if table is not self._table or moves:
@@ -305,7 +305,7 @@ class ModelEma:
         refuse_unsharded(self._table.by_name, tracked)
         with torch.no_grad():
             table = self._table.followed(tracked, self._policy)
-        self._adopt(model, table, tracked, None)
+        self._adopt(model, table, tracked)
         self._warn_precision()
 
     def _ready(self, what: str) -> None:
