@@ -31,21 +31,23 @@ constexpr size_t kLargeParamBytes = 32764;
 // The op rides along as a kernel parameter too; keep room for it.
 constexpr size_t kOpParamRoom = 256;
 
-// The large layout is compiled only where every target can take it: CUDA >= 12.1 and no target
-// below sm_70 (__CUDA_ARCH_LIST__ is sorted, so its head is the oldest).
+// A target below sm_70 in the arch list (__CUDA_ARCH_LIST__ is sorted: its head is the oldest)
+// takes neither 32 KB of parameters nor __grid_constant__. One host launcher serves every target,
+// so the whole build then packs for 4 KB.
 #define FUSED_EMA_ARCH_LIST_HEAD_(a, ...) a
 #define FUSED_EMA_ARCH_LIST_HEAD(...) FUSED_EMA_ARCH_LIST_HEAD_(__VA_ARGS__)
-#if defined(FUSED_EMA_SMALL_PARAMS_ONLY) || !defined(CUDART_VERSION) || CUDART_VERSION < 12010
+#if !defined(FUSED_EMA_PRE_VOLTA_BUILD) && defined(__CUDA_ARCH_LIST__)
+#if FUSED_EMA_ARCH_LIST_HEAD(__CUDA_ARCH_LIST__) < 700
+#define FUSED_EMA_PRE_VOLTA_BUILD 1
+#endif
+#endif
+#if defined(FUSED_EMA_PRE_VOLTA_BUILD) || !defined(CUDART_VERSION) || CUDART_VERSION < 12010
 constexpr bool kLargeParamsCompiled = false;
-#elif defined(__CUDA_ARCH_LIST__)
-constexpr bool kLargeParamsCompiled = FUSED_EMA_ARCH_LIST_HEAD(__CUDA_ARCH_LIST__) >= 700;
 #else
 constexpr bool kLargeParamsCompiled = true;
 #endif
-
-// __grid_constant__ (sm_70+) keeps the metadata in parameter space even where its address is
-// taken; older targets read it as plain parameters.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+// Keeps the metadata in parameter space even where its address is taken.
+#if defined(FUSED_EMA_PRE_VOLTA_BUILD)
 #define FUSED_EMA_GRID_CONSTANT
 #else
 #define FUSED_EMA_GRID_CONSTANT __grid_constant__
