@@ -312,8 +312,9 @@ inline cudaError_t large_params_supported(int device, bool* supported) {
   return cudaSuccess;
 }
 
-// Which layout launches on `stream` (on the current device) use. Before CUDA 13, ATen also kept
-// 4 KB while a stream captures a graph; CUDA 13 needs a driver >= 13.0, where ATen does not.
+// Which layout launches on `stream` (on the current device) use. Like ATen's run-time choice,
+// builds before CUDA 13 keep 4 KB while the stream captures a graph; ATen's CUDA 13 builds (which
+// need a driver >= 13.0) take 32 KB in graphs too.
 inline cudaError_t use_large_params(cudaStream_t stream, bool* large) {
   *large = false;
   if (!kLargeParamsCompiled || force_small_params().load(std::memory_order_relaxed)) {
