@@ -15,12 +15,12 @@ log=${FUSED_EMA_CUDA_LOG:-$venv/cuda-build.log}
 started=$(date +%s)
 say() { printf '[cuda-build %4ss] %s\n' "$(($(date +%s) - started))" "$*"; }
 
+mkdir -p "$(dirname "$log")"
+exec > >(tee "$log") 2>&1
 if [ ! -x "$venv/bin/python" ]; then
   say "creating $venv"
   "${PYTHON:-python3}" -m venv "$venv"
 fi
-mkdir -p "$(dirname "$log")"
-exec > >(tee "$log") 2>&1
 py="$venv/bin/python"
 
 if ! "$py" -c "import torch, sys; sys.exit(torch.version.cuda is None)" >/dev/null 2>&1; then
