@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 out=${2:-benchmarks/results}
 python3 -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'"
+# Headers a bare toolkit may lack (cusparse.h, ...) come with torch's nvidia packages.
+include=$(python3 -c "import sysconfig, torch; print(sysconfig.get_paths()['purelib'] + \
+'/nvidia/cu' + torch.version.cuda.split('.')[0] + '/include')")
+if [ -d "$include" ]; then
+  export CPATH="$include${CPATH:+:$CPATH}"
+fi
 if ! python3 -c "import fused_ema, sys; sys.exit(not fused_ema.build_info()['cuda_kernel'])"; then
   FUSED_EMA_FORCE_CUDA=1 python3 -m pip install -q --no-build-isolation --no-deps -e .
 fi

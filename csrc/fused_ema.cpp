@@ -19,6 +19,7 @@
 namespace fused_ema::cuda {
 std::vector<int> compiled_archs();  // __CUDA_ARCH_LIST__ (800, 900, ...), cuda/lerp_cuda.cu
 int cuda_version_built();
+bool small_params(int set);  // set < 0: read only; returns the previous setting
 }  // namespace fused_ema::cuda
 #endif
 
@@ -75,6 +76,24 @@ PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// Tests only: _cuda_small_params(flag) keeps CUDA launches at 4 KB of parameters (or lets them
+// take 32 KB where the device allows) and returns the previous setting; no argument reads it.
+PyObject* cuda_small_params(PyObject*, PyObject* args) {
+  PyObject* flag = nullptr;
+  if (!PyArg_ParseTuple(args, "|O", &flag)) {
+    return nullptr;
+  }
+#if FUSED_EMA_WITH_CUDA
+  const int small = flag == nullptr ? -1 : PyObject_IsTrue(flag);
+  if (small == -1 && flag != nullptr) {
+    return nullptr;
+  }
+  return PyBool_FromLong(fused_ema::cuda::small_params(small));
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
 PyMethodDef kMethods[] = {
     {"devices_with_kernels", devices_with_kernels, METH_NOARGS,
      "Device types this build has lerp kernels for."},
@@ -98,6 +117,8 @@ PyMethodDef kMethods[] = {
      "walk[i] None or a weakref.ref to walk[i] itself, and walk_signature(walk) == signature."},
     {"take", reinterpret_cast<PyCFunction>(fused_ema::python_take), METH_FASTCALL,
      "take(walk: list, indices: tuple[int, ...]) -> list: [walk[i] for i in indices]."},
+    {"_cuda_small_params", cuda_small_params, METH_VARARGS,
+     "Tests only: force 4 KB CUDA launch parameters (flag), returning the previous setting."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -68,6 +68,11 @@ std::vector<int> compiled_archs() {
 
 int cuda_version_built() { return CUDART_VERSION; }
 
+// Whether launches are kept at 4 KB; `set` >= 0 changes it and the previous setting is returned.
+bool small_params(int set) {
+  return set < 0 ? force_small_params().load() : force_small_params().exchange(set != 0);
+}
+
 TORCH_LIBRARY_IMPL(fused_ema, CUDA, m) {
   m.impl("lerp_", &lerp_op);
   m.impl("lerp_.Tensor", &lerp_op_tensor_weight);

@@ -1,30 +1,56 @@
-// Multi-tensor apply: one launch updates up to kMaxTensorsPerLaunch tensors in place. Pointers,
-// sizes and each tensor's first block travel in the kernel's parameter space; a block finds its
-// tensor by binary search over the first-block table, so a tensor never straddles two launches
-// and metadata does not grow with the block count. Needs no torch headers (nvcc-only tests).
+// Multi-tensor apply: one launch updates many tensors in place. Pointers, sizes and each tensor's
+// first block travel in the kernel's parameter space (4 KB, or 32 KB where driver and GPU allow,
+// chosen at run time per device); a block finds its tensor by binary search over the first-block
+// table, so a tensor never straddles two launches. Needs no torch headers (nvcc-only tests).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace fused_ema::cuda {
 
 constexpr int kBlockThreads = 512;
+// Two resident blocks per SM at least: caps registers at 64 a thread (50% occupancy).
+constexpr int kMinBlocksPerSM = 2;
 // Independent pack loads in flight per thread, to cover memory latency.
 constexpr int kILP = 4;
 // Elements per block: a multiple of every pack width times kBlockThreads * kILP.
 constexpr int64_t kChunkElems = 65536;
 
-// Kernel parameters may take 32,764 bytes since CUDA 12.1 (Volta and newer), 4 KB before. ATen's
-// foreach launcher still packs for 4 KB (64 tensors a launch); 1,024 tensors fit here.
-#if CUDART_VERSION >= 12010
-constexpr int kMaxTensorsPerLaunch = 1024;
-constexpr size_t kParamBytes = 32764;
+// Kernel parameters may take 4,096 bytes, or 32,764 since CUDA 12.1 with a driver >= 12.1 on
+// Volta and newer. ATen's foreach launcher packs 110 tensors for 4 KB.
+constexpr int kSmallCapacity = 120;
+constexpr int kLargeCapacity = 1024;
+constexpr size_t kSmallParamBytes = 4096;
+constexpr size_t kLargeParamBytes = 32764;
+// The op rides along as a kernel parameter too; keep room for it.
+constexpr size_t kOpParamRoom = 256;
+
+// A target below sm_70 in the arch list (__CUDA_ARCH_LIST__ is sorted: its head is the oldest)
+// takes neither 32 KB of parameters nor __grid_constant__. One host launcher serves every target,
+// so the whole build then packs for 4 KB.
+#define FUSED_EMA_ARCH_LIST_HEAD_(a, ...) a
+#define FUSED_EMA_ARCH_LIST_HEAD(...) FUSED_EMA_ARCH_LIST_HEAD_(__VA_ARGS__)
+#if !defined(FUSED_EMA_PRE_VOLTA_BUILD) && defined(__CUDA_ARCH_LIST__)
+#if FUSED_EMA_ARCH_LIST_HEAD(__CUDA_ARCH_LIST__) < 700
+#define FUSED_EMA_PRE_VOLTA_BUILD 1
+#endif
+#endif
+#if defined(FUSED_EMA_PRE_VOLTA_BUILD) || !defined(CUDART_VERSION) || CUDART_VERSION < 12010
+constexpr bool kLargeParamsCompiled = false;
 #else
-constexpr int kMaxTensorsPerLaunch = 120;
-constexpr size_t kParamBytes = 4096;
+constexpr bool kLargeParamsCompiled = true;
+#endif
+// Keeps the metadata in parameter space even where its address is taken.
+#if defined(FUSED_EMA_PRE_VOLTA_BUILD)
+#define FUSED_EMA_GRID_CONSTANT
+#else
+#define FUSED_EMA_GRID_CONSTANT __grid_constant__
 #endif
 
 // One dense (ema, src) pair, as the host hands it over.
@@ -35,17 +61,20 @@ struct TensorRef {
 };
 
 // Struct of arrays: the binary search walks first_block alone.
+template <int kCapacity>
 struct LaunchMeta {
-  void* ema[kMaxTensorsPerLaunch];
-  const void* src[kMaxTensorsPerLaunch];
-  int64_t numel[kMaxTensorsPerLaunch];
-  int32_t first_block[kMaxTensorsPerLaunch + 1];  // [num_tensors] holds the launch's block count
-  int8_t head[kMaxTensorsPerLaunch];  // scalar elements before the 16-byte aligned body; -1: none
+  void* ema[kCapacity];
+  const void* src[kCapacity];
+  int64_t numel[kCapacity];
+  int32_t first_block[kCapacity + 1];  // [num_tensors] holds the launch's block count
+  int8_t head[kCapacity];              // scalar elements before the 16-byte aligned body; -1: none
   int32_t num_tensors;
 };
 
-// The op rides along as a kernel parameter too; keep room for it.
-static_assert(sizeof(LaunchMeta) + 256 <= kParamBytes, "launch metadata exceeds kernel params");
+static_assert(sizeof(LaunchMeta<kSmallCapacity>) + kOpParamRoom <= kSmallParamBytes,
+              "small launch metadata exceeds 4 KB of kernel parameters");
+static_assert(sizeof(LaunchMeta<kLargeCapacity>) + kOpParamRoom <= kLargeParamBytes,
+              "large launch metadata exceeds 32 KB of kernel parameters");
 
 // A group of N elements loaded or stored with 16-byte accesses (N * sizeof(T) is 16 or 32).
 template <typename T, int N>
@@ -85,7 +114,20 @@ int64_t blocks_for(int64_t numel, int head) {
   return chunks > 0 ? chunks : 1;
 }
 
-__device__ inline int find_tensor(const LaunchMeta& meta, int32_t block) {
+// What one block updates: [begin, end) in packs of the aligned body (head >= 0) or in elements
+// (head < 0), and, in a tensor's first block, `scalars` single elements: the head, then the
+// tail from tail_begin.
+struct BlockWork {
+  int tensor;
+  int head;
+  int64_t begin;
+  int64_t end;
+  int64_t scalars;
+  int64_t tail_begin;
+};
+
+template <int kPack, int kCapacity>
+__host__ __device__ inline BlockWork block_work(const LaunchMeta<kCapacity>& meta, int32_t block) {
   int lo = 0;
   int hi = meta.num_tensors - 1;
   while (lo < hi) {
@@ -96,100 +138,105 @@ __device__ inline int find_tensor(const LaunchMeta& meta, int32_t block) {
       hi = mid - 1;
     }
   }
-  return lo;
+  BlockWork w{lo, meta.head[lo], 0, 0, 0, 0};
+  const int64_t chunk = block - meta.first_block[lo];
+  const int64_t n = meta.numel[lo];
+  if (w.head < 0) {
+    w.begin = chunk * kChunkElems;
+    w.end = min64(n, w.begin + kChunkElems);
+    return w;
+  }
+  const int64_t packs = packs_in_body<kPack>(n, w.head);
+  constexpr int64_t kChunkPacks = kChunkElems / kPack;
+  w.begin = chunk * kChunkPacks;
+  w.end = min64(packs, w.begin + kChunkPacks);
+  if (chunk == 0) {
+    w.tail_begin = w.head + packs * kPack;
+    w.scalars = w.head + (n - w.tail_begin);
+  }
+  return w;
 }
 
 // Op supplies ema_t, src_t, kPack and bind(), whose result maps (ema, src) to the new ema value
 // and says whether this launch may skip its work (read on the device: a device-side weight).
-template <typename Op>
-__global__ void __launch_bounds__(kBlockThreads)
-    multi_tensor_kernel(const __grid_constant__ LaunchMeta meta, const Op op) {
+template <typename Op, int kCapacity>
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
+    multi_tensor_kernel(const FUSED_EMA_GRID_CONSTANT LaunchMeta<kCapacity> meta, const Op op) {
   using E = typename Op::ema_t;
   using S = typename Op::src_t;
   constexpr int kPack = Op::kPack;
-  const auto block = static_cast<int32_t>(blockIdx.x);
-  const int t = find_tensor(meta, block);
-  const int64_t chunk = block - meta.first_block[t];
-  E* ema = static_cast<E*>(meta.ema[t]);
-  const S* src = static_cast<const S*>(meta.src[t]);
-  const int64_t n = meta.numel[t];
-  const int head = meta.head[t];
   const auto f = op.bind();
   if (f.skip) {
     return;
   }
+  const BlockWork w = block_work<kPack>(meta, static_cast<int32_t>(blockIdx.x));
+  E* ema = static_cast<E*>(meta.ema[w.tensor]);
+  const S* src = static_cast<const S*>(meta.src[w.tensor]);
 
-  if (head < 0) {
-    const int64_t end = min64(n, (chunk + 1) * kChunkElems);
-    for (int64_t base = chunk * kChunkElems + threadIdx.x; base < end;
-         base += kBlockThreads * kILP) {
+  // Offsets within a chunk fit in 32 bits, so the kILP accesses share one base address.
+  const int count = static_cast<int>(w.end - w.begin);
+  if (w.head < 0) {
+    E* ema_chunk = ema + w.begin;
+    const S* src_chunk = src + w.begin;
+    for (int base = threadIdx.x; base < count; base += kBlockThreads * kILP) {
       E e[kILP];
       S s[kILP];
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
-        const int64_t i = base + j * kBlockThreads;
-        if (i < end) {
-          e[j] = ema[i];
-          s[j] = src[i];
+        const int i = base + j * kBlockThreads;
+        if (i < count) {
+          e[j] = ema_chunk[i];
+          s[j] = src_chunk[i];
         }
       }
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
-        const int64_t i = base + j * kBlockThreads;
-        if (i < end) {
-          ema[i] = f(e[j], s[j]);
+        const int i = base + j * kBlockThreads;
+        if (i < count) {
+          ema_chunk[i] = f(e[j], s[j]);
         }
       }
     }
     return;
   }
 
-  const int64_t packs = packs_in_body<kPack>(n, head);
-  constexpr int64_t kChunkPacks = kChunkElems / kPack;
-  auto* ema_body = reinterpret_cast<Pack<E, kPack>*>(ema + head);
-  const auto* src_body = reinterpret_cast<const Pack<S, kPack>*>(src + head);
-  const int64_t end = min64(packs, (chunk + 1) * kChunkPacks);
-  for (int64_t base = chunk * kChunkPacks + threadIdx.x; base < end; base += kBlockThreads * kILP) {
+  auto* ema_chunk = reinterpret_cast<Pack<E, kPack>*>(ema + w.head) + w.begin;
+  const auto* src_chunk = reinterpret_cast<const Pack<S, kPack>*>(src + w.head) + w.begin;
+  for (int base = threadIdx.x; base < count; base += kBlockThreads * kILP) {
     Pack<E, kPack> e[kILP];
     Pack<S, kPack> s[kILP];
 #pragma unroll
     for (int j = 0; j < kILP; ++j) {
-      const int64_t p = base + j * kBlockThreads;
-      if (p < end) {
-        e[j] = ema_body[p];
-        s[j] = src_body[p];
+      const int p = base + j * kBlockThreads;
+      if (p < count) {
+        e[j] = ema_chunk[p];
+        s[j] = src_chunk[p];
       }
     }
 #pragma unroll
     for (int j = 0; j < kILP; ++j) {
-      const int64_t p = base + j * kBlockThreads;
-      if (p < end) {
+      const int p = base + j * kBlockThreads;
+      if (p < count) {
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
           e[j].v[k] = f(e[j].v[k], s[j].v[k]);
         }
-        ema_body[p] = e[j];
+        ema_chunk[p] = e[j];
       }
     }
   }
   // The unaligned head and the tail shorter than a pack: fewer than 2 * kPack elements.
-  if (chunk == 0) {
-    const int64_t tail_begin = head + packs * kPack;
-    const int64_t scalars = head + (n - tail_begin);
-    if (threadIdx.x < scalars) {
-      const int64_t i = threadIdx.x < head ? threadIdx.x : tail_begin + (threadIdx.x - head);
-      ema[i] = f(ema[i], src[i]);
-    }
+  if (threadIdx.x < w.scalars) {
+    const int64_t i = threadIdx.x < w.head ? threadIdx.x : w.tail_begin + (threadIdx.x - w.head);
+    ema[i] = f(ema[i], src[i]);
   }
 }
 
-// Packs `refs` into as few launches as the metadata allows and launches them on `stream`.
-template <typename Op>
-cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& op,
-                               cudaStream_t stream) {
-  using E = typename Op::ema_t;
-  using S = typename Op::src_t;
-  LaunchMeta meta;
+// Packs `refs` into launches of up to kCapacity tensors and INT32_MAX blocks and hands each to
+// `launch(meta, blocks)`, stopping at its first error. Host only; tests drive it directly.
+template <typename E, typename S, int kPack, int kCapacity, typename Launch>
+cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapacity>& meta,
+                          Launch&& launch) {
   meta.num_tensors = 0;
   int64_t blocks = 0;
   const auto flush = [&]() -> cudaError_t {
@@ -197,19 +244,22 @@ cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& o
       return cudaSuccess;
     }
     meta.first_block[meta.num_tensors] = static_cast<int32_t>(blocks);
-    multi_tensor_kernel<Op><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(meta, op);
+    const cudaError_t err = launch(static_cast<const LaunchMeta<kCapacity>&>(meta), blocks);
     meta.num_tensors = 0;
     blocks = 0;
-    return cudaGetLastError();
+    return err;
   };
   for (int64_t i = 0; i < count; ++i) {
     const TensorRef& ref = refs[i];
     if (ref.numel == 0) {
       continue;
     }
-    const int head = aligned_head<E, S, Op::kPack>(ref);
-    const int64_t needed = blocks_for<Op::kPack>(ref.numel, head);
-    if (meta.num_tensors == kMaxTensorsPerLaunch || blocks + needed > INT32_MAX) {
+    const int head = aligned_head<E, S, kPack>(ref);
+    const int64_t needed = blocks_for<kPack>(ref.numel, head);
+    if (needed > INT32_MAX) {
+      return cudaErrorInvalidValue;  // over 2^47 elements: no such tensor fits in memory
+    }
+    if (meta.num_tensors == kCapacity || blocks + needed > INT32_MAX) {
       if (const cudaError_t err = flush(); err != cudaSuccess) {
         return err;
       }
@@ -223,6 +273,96 @@ cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& o
     blocks += needed;
   }
   return flush();
+}
+
+// FUSED_EMA_CUDA_SMALL_PARAMS=1 (or set_force_small_params) keeps every launch at 4 KB.
+inline std::atomic<bool>& force_small_params() {
+  static std::atomic<bool> flag([] {
+    const char* env = std::getenv("FUSED_EMA_CUDA_SMALL_PARAMS");
+    return env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0;
+  }());
+  return flag;
+}
+
+// Whether `device` takes 32 KB of kernel parameters: a driver >= 12.1 (an older one runs CUDA
+// 12.1+ builds under minor-version compatibility but rejects the launch) and compute capability
+// >= 7.0. Asked once per device.
+inline cudaError_t large_params_supported(int device, bool* supported) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int8_t> cache[kMaxDevices] = {};  // 0: not asked yet, 1: no, 2: yes
+  if (device >= 0 && device < kMaxDevices) {
+    if (const int8_t known = cache[device].load(std::memory_order_relaxed); known != 0) {
+      *supported = known == 2;
+      return cudaSuccess;
+    }
+  }
+  int driver = 0;
+  int major = 0;
+  if (cudaError_t err = cudaDriverGetVersion(&driver); err != cudaSuccess) {
+    return err;
+  }
+  if (cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+      err != cudaSuccess) {
+    return err;
+  }
+  *supported = driver >= 12010 && major >= 7;
+  if (device >= 0 && device < kMaxDevices) {
+    cache[device].store(*supported ? 2 : 1, std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
+
+// Which layout launches on `stream` (on the current device) use. Like ATen's run-time choice,
+// builds before CUDA 13 keep 4 KB while the stream captures a graph; ATen's CUDA 13 builds (which
+// need a driver >= 13.0) take 32 KB in graphs too.
+inline cudaError_t use_large_params(cudaStream_t stream, bool* large) {
+  *large = false;
+  if (!kLargeParamsCompiled || force_small_params().load(std::memory_order_relaxed)) {
+    return cudaSuccess;
+  }
+#if CUDART_VERSION < 13000
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaError_t err = cudaStreamIsCapturing(stream, &capture); err != cudaSuccess) {
+    return err;
+  }
+  if (capture != cudaStreamCaptureStatusNone) {
+    return cudaSuccess;
+  }
+#else
+  (void)stream;
+#endif
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    return err;
+  }
+  return large_params_supported(device, large);
+}
+
+template <typename Op, int kCapacity>
+cudaError_t launch_packed(const TensorRef* refs, int64_t count, const Op& op, cudaStream_t stream) {
+  LaunchMeta<kCapacity> meta;
+  return pack_launches<typename Op::ema_t, typename Op::src_t, Op::kPack>(
+      refs, count, meta, [&](const LaunchMeta<kCapacity>& packed, int64_t blocks) {
+        multi_tensor_kernel<Op, kCapacity>
+            <<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(packed, op);
+        return cudaGetLastError();
+      });
+}
+
+// Updates every tensor of `refs` in as few launches as the device's parameter space allows.
+template <typename Op>
+cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& op,
+                               cudaStream_t stream) {
+  if constexpr (kLargeParamsCompiled) {
+    bool large = false;
+    if (const cudaError_t err = use_large_params(stream, &large); err != cudaSuccess) {
+      return err;
+    }
+    if (large) {
+      return launch_packed<Op, kLargeCapacity>(refs, count, op, stream);
+    }
+  }
+  return launch_packed<Op, kSmallCapacity>(refs, count, op, stream);
 }
 
 }  // namespace fused_ema::cuda
