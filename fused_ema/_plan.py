@@ -138,6 +138,9 @@ class UpdatePlan:
         views += [v for c in self.copies.values() for v in c.staging]
         return sum(v.numel() * v.element_size() for v in views)
 
+    def forget_run(self) -> None:
+        self._marks = None
+
     def started(self) -> bool:
         """Whether the run begun last has written anything."""
         marks = self._marks

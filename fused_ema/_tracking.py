@@ -286,13 +286,14 @@ class EntryTable:
         """What on_mismatch="error" reports. Buffers that are new objects under the same name and
         shape (model.to(), .float()) are followed, not reported."""
         out = Changes()
-        claimed = set()
+        claimed, renamed = set(), set()
         for t, e, how in self.match(tracked):
             if e is not None:
                 claimed.add(id(e))
             if how == "new":
                 out.added += t.names
             elif how == "renamed":
+                renamed.add(id(e))
                 old = ", ".join(e.names)
                 out.renamed.append(f"{old} -> {', '.join(t.names)}")
             elif how == "reshaped":
@@ -306,7 +307,7 @@ class EntryTable:
         # names an entry had that its tensor no longer carries (a tie was undone)
         current = {n for t in tracked for n in t.names}
         for e in self.entries:
-            if id(e) in claimed:
+            if id(e) in claimed and id(e) not in renamed:
                 out.removed += [n for n in e.names if n not in current]
         return out
 

@@ -200,14 +200,17 @@ class ModelEma:
     def _update(self, model: nn.Module, step, non_blocking: bool, values=None) -> None:
         step = self._schedule.check_step(step)
         walk, names = _C.tensor_walk(model, self._with_buffers, True)
-        plan = self._plan
-        if plan is None or plan.snapshot != non_blocking or not plan.matches(walk, names):
-            plan = self._follow(model, walk, names, snapshot=non_blocking)
-        if values is not None and len(values) != len(walk):
-            raise RuntimeError("fused_ema: the compiled program walked another model structure")
+        plan, undo = self._plan, None
         schedule = self._schedule
         with torch.no_grad():
             try:
+                if plan is None or plan.snapshot != non_blocking or not plan.matches(walk, names):
+                    plan, undo = self._follow(model, walk, names, snapshot=non_blocking)
+                if values is not None and len(values) != len(walk):
+                    raise RuntimeError(
+                        "fused_ema: the compiled program walked another model structure"
+                    )
+                plan.forget_run()
                 schedule.begin(step)
                 schedule.note_capture()
                 if non_blocking:
@@ -217,8 +220,12 @@ class ModelEma:
                 else:
                     plan.run(walk, schedule.weight, values)
             except BaseException:
-                if not plan.started():
+                if plan is not None and plan.started():
+                    schedule.commit()  # it wrote, so it finished: only the error propagates
+                else:
                     schedule.rollback()
+                    if undo is not None:
+                        undo()  # a resync that the failed update made is undone too
                 raise
         schedule.commit()
 
@@ -235,13 +242,16 @@ class ModelEma:
             plan, self._pending_plan = self._pending_plan, None
             if plan is not None and not plan.started():
                 self._schedule.rollback()
+            else:
+                self._schedule.commit()
             raise
         self._pending_plan = None
         self._schedule.commit()
 
-    def _follow(self, model: nn.Module, walk: list, names: int, snapshot: bool) -> UpdatePlan:
+    def _follow(self, model: nn.Module, walk: list, names: int, snapshot: bool):
         """A new plan for a model whose tensors, placement or structure changed since the last
-        one. Structure changes raise (on_mismatch="error") or are followed ("resync")."""
+        one, and how to go back. Structure changes raise (on_mismatch="error") or are followed
+        ("resync")."""
         tracked = named_tensors(model, self._with_buffers)
         refuse_unsharded(self._table.by_name, tracked)
         table = self._table
@@ -260,9 +270,10 @@ class ModelEma:
                 table = table.followed(tracked, self._policy)
         return self._adopt(model, table, tracked, (walk, names), snapshot)
 
-    def _adopt(self, model, table: EntryTable, tracked, walk=None, snapshot=False) -> UpdatePlan:
+    def _adopt(self, model, table: EntryTable, tracked, walk=None, snapshot=False):
         """Makes `table` the EMA's, placed for `model`, with a plan for `walk`; builds everything
-        first and changes the EMA only once nothing can fail."""
+        first and changes the EMA only once nothing can fail. Returns the plan and a function
+        that puts the previous state back."""
         current = {n: t.tensor for t in tracked for n in t.names}
         meta = [e.name for e in table.entries if e.ema.is_meta and not current[e.name].is_meta]
         if meta:
@@ -271,6 +282,8 @@ class ModelEma:
                 f"no values (e.g. {meta[0]}); call ema.resync(model) once the model is "
                 "materialised (model.to_empty(...) and its initialisation)"
             )
+        previous = (self._table, self._plan, self._module, self._model_ref)
+        previous_place = self._schedule.device
         moves = []
         if self._policy.device is None:  # each EMA tensor follows its model tensor
             for e in table.entries:
@@ -293,7 +306,14 @@ class ModelEma:
             raise
         self._table, self._plan, self._module = table, plan, module
         self._model_ref = weakref.ref(model)
-        return plan
+
+        def undo():
+            for ema, before, _ in moves:
+                ema.data = before
+            self._table, self._plan, self._module, self._model_ref = previous
+            self._schedule.place(previous_place)
+
+        return plan, undo
 
     def resync(self, model: nn.Module) -> None:
         """Follows the model's current tensors: each keeps its average under its current names
