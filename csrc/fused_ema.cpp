@@ -9,6 +9,7 @@
 
 #include "cpu/cpu_isa.h"
 #include "lerp_op.h"
+#include "schedule_formula.h"
 
 #ifndef FUSED_EMA_WITH_CUDA
 #define FUSED_EMA_WITH_CUDA 0
@@ -28,10 +29,9 @@ PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_p
 TORCH_LIBRARY(fused_ema, m) {
   m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, float weight) -> ()");
   m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
-  // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay).
-  m.def(
-      "ema_schedule_(Tensor(a!) step, Tensor(b!) out, bool advance, float decay, float min_decay,"
-      " float warmup_gamma, float warmup_power, int update_after_step, int update_every) -> ()");
+  // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
+  // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
+  m.def("ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()");
 }
 
 namespace {
@@ -97,6 +97,7 @@ PyMODINIT_FUNC PyInit__C() {
       (std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
        std::to_string(TORCH_VERSION_PATCH))
           .c_str());
+  PyModule_AddObject(module, "MAX_STEP", PyLong_FromLongLong(fused_ema::kMaxStep));
   PyModule_AddObject(module, "COMPILED_CPU_ISAS", string_tuple(fused_ema::cpu::compiled_isas()));
 #if FUSED_EMA_WITH_CUDA
   std::vector<std::string> archs;

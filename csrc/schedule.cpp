@@ -6,39 +6,61 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-namespace fused_ema {
+#include "dtype_pairs.h"
 
-Schedule check_schedule(const at::Tensor& step, const at::Tensor& out, double decay,
-                        double min_decay, double warmup_gamma, double warmup_power,
-                        int64_t update_after_step, int64_t update_every) {
-  constexpr const char* kOp = "fused_ema.ema_schedule_: ";
+namespace fused_ema {
+namespace {
+
+constexpr const char* kOp = "fused_ema.ema_schedule_: ";
+
+// What each config field must be, in ConfigField order.
+constexpr const char* kFieldRules[kNumConfigFields] = {
+    "decay must be in [0, 1]",
+    "min_decay must be in [0, decay]",
+    "warmup_gamma must be finite (<= 0: no warmup)",
+    "warmup_power must be finite, and > 0 when warmup_gamma > 0",
+    "update_after_step must be an integer in [0, 2**53]",
+    "update_every must be an integer in [1, 2**53]",
+};
+
+}  // namespace
+
+void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
+                            const at::Tensor& config) {
   TORCH_CHECK_VALUE(step.scalar_type() == at::kLong && step.numel() == 1, kOp,
-                    "step must be one int64 element, got ", step.scalar_type(), " of shape ",
-                    step.sizes());
+                    "step must be one int64 element, got ", dtype_name(step.scalar_type()),
+                    " of shape ", step.sizes());
   TORCH_CHECK_VALUE(out.scalar_type() == at::kDouble && out.numel() == 2 && out.is_contiguous(),
-                    kOp, "out must be 2 contiguous float64 elements (weight, decay)");
-  TORCH_CHECK(step.device() == out.device(), kOp, "step is on ", step.device(), " but out is on ",
-              out.device());
-  TORCH_CHECK_VALUE(decay >= 0.0 && decay <= 1.0, kOp, "decay must be in [0, 1], got ", decay);
-  TORCH_CHECK_VALUE(min_decay >= 0.0 && min_decay <= decay, kOp,
-                    "min_decay must be in [0, decay], got ", min_decay);
-  TORCH_CHECK_VALUE(warmup_gamma <= 0.0 || warmup_power > 0.0, kOp,
-                    "warmup power must be positive, got ", warmup_power);
-  TORCH_CHECK_VALUE(update_after_step >= 0, kOp, "update_after_step must be >= 0");
-  TORCH_CHECK_VALUE(update_every >= 1, kOp, "update_every must be >= 1, got ", update_every);
-  return {decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every};
+                    kOp, "out must be 2 contiguous float64 elements (weight, decay), got ",
+                    dtype_name(out.scalar_type()), " of shape ", out.sizes());
+  TORCH_CHECK_VALUE(config.scalar_type() == at::kDouble && config.numel() == kNumConfigFields &&
+                        config.is_contiguous(),
+                    kOp,
+                    "config must be 6 contiguous float64 elements (decay, min_decay, "
+                    "warmup_gamma, warmup_power, update_after_step, update_every), got ",
+                    dtype_name(config.scalar_type()), " of shape ", config.sizes());
+  TORCH_CHECK(out.device() == step.device(), kOp, "out is on ", out.device(), " but step is on ",
+              step.device());
+  TORCH_CHECK(config.device() == step.device(), kOp, "config is on ", config.device(),
+              " but step is on ", step.device());
+}
+
+Schedule check_schedule_config(const double* config) {
+  const int bad = first_bad_field(config);
+  TORCH_CHECK_VALUE(bad == kNumConfigFields, kOp, "config: ", kFieldRules[bad], ", got ",
+                    config[bad]);
+  return schedule_from_config(config);
 }
 
 namespace {
 
-void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, bool advance, double decay,
-                      double min_decay, double warmup_gamma, double warmup_power,
-                      int64_t update_after_step, int64_t update_every) {
-  const Schedule sc = check_schedule(step, out, decay, min_decay, warmup_gamma, warmup_power,
-                                     update_after_step, update_every);
+void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
+                      bool advance) {
+  check_schedule_tensors(step, out, config);
+  const Schedule sc = check_schedule_config(config.const_data_ptr<double>());
   int64_t* t = step.mutable_data_ptr<int64_t>();
   if (advance) {
-    *t += 1;
+    *t = next_step(*t);
   }
   const ScheduledWeight w = scheduled_weight(sc, *t);
   double* o = out.mutable_data_ptr<double>();

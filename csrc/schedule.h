@@ -7,8 +7,11 @@
 
 namespace fused_ema {
 
-Schedule check_schedule(const at::Tensor& step, const at::Tensor& out, double decay,
-                        double min_decay, double warmup_gamma, double warmup_power,
-                        int64_t update_after_step, int64_t update_every);
+// Dtypes, shapes, contiguity and devices of step, out and config; values are not read.
+void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
+                            const at::Tensor& config);
+
+// Every field of a host config against the contract; a ValueError names the first bad one.
+Schedule check_schedule_config(const double* config);
 
 }  // namespace fused_ema

@@ -1,5 +1,6 @@
-// The EMA decay schedule, one formula for the host and the device so that a step counter and its
-// weight can live in device tensors (no host sync; capturable in a CUDA graph).
+// The EMA decay schedule, one formula for the host and the device so that a step counter, its
+// configuration and its weight can live in device tensors (no host sync; capturable in a CUDA
+// graph).
 //   s = step - update_after_step - 1 (averaging steps so far); s <= 0: copy the model (decay 0)
 //   decay_s = warmup ? clamp(1 - (1 + s / gamma)^-power, min_decay, decay) : decay
 //   an update happens when (step - 1) % every == 0, with weight 1 - decay_s^every; else weight 0
@@ -16,10 +17,25 @@
 
 namespace fused_ema {
 
+// Steps outside [0, kMaxStep] get weight 0 and decay 0: the update does nothing (a step counter
+// on a device cannot raise without a host sync). 2**53: every step is exact in a double.
+constexpr int64_t kMaxStep = int64_t{1} << 53;
+
+// The float64 config tensor of ema_schedule_, element by element.
+enum ConfigField : int {
+  kDecay,
+  kMinDecay,
+  kWarmupGamma,  // <= 0: no warmup
+  kWarmupPower,
+  kUpdateAfterStep,
+  kUpdateEvery,
+  kNumConfigFields,
+};
+
 struct Schedule {
   double decay;
   double min_decay;
-  double warmup_gamma;  // <= 0: no warmup
+  double warmup_gamma;
   double warmup_power;
   int64_t update_after_step;
   int64_t update_every;
@@ -30,7 +46,58 @@ struct ScheduledWeight {
   double decay;   // the per-step decay it stands for
 };
 
+FUSED_EMA_HOST_DEVICE inline bool finite(double x) { return fabs(x) <= 1.7976931348623157e308; }
+
+FUSED_EMA_HOST_DEVICE inline bool whole_in(double x, double lo, double hi) {
+  return x >= lo && x <= hi && floor(x) == x;
+}
+
+// The first field of `config` that breaks the contract, or kNumConfigFields if none does.
+FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
+  const double decay = config[kDecay];
+  const double gamma = config[kWarmupGamma];
+  const double power = config[kWarmupPower];
+  const auto max_step = static_cast<double>(kMaxStep);
+  if (!(decay >= 0.0 && decay <= 1.0)) {
+    return kDecay;
+  }
+  if (!(config[kMinDecay] >= 0.0 && config[kMinDecay] <= decay)) {
+    return kMinDecay;
+  }
+  if (!finite(gamma)) {
+    return kWarmupGamma;
+  }
+  if (!finite(power) || (gamma > 0.0 && !(power > 0.0))) {
+    return kWarmupPower;
+  }
+  if (!whole_in(config[kUpdateAfterStep], 0.0, max_step)) {
+    return kUpdateAfterStep;
+  }
+  if (!whole_in(config[kUpdateEvery], 1.0, max_step)) {
+    return kUpdateEvery;
+  }
+  return kNumConfigFields;
+}
+
+// `config` must have passed first_bad_field.
+FUSED_EMA_HOST_DEVICE inline Schedule schedule_from_config(const double* config) {
+  return {config[kDecay],
+          config[kMinDecay],
+          config[kWarmupGamma],
+          config[kWarmupPower],
+          static_cast<int64_t>(config[kUpdateAfterStep]),
+          static_cast<int64_t>(config[kUpdateEvery])};
+}
+
+// step + 1, wrapping instead of overflowing (a wrapped step is out of range: weight 0).
+FUSED_EMA_HOST_DEVICE inline int64_t next_step(int64_t step) {
+  return static_cast<int64_t>(static_cast<uint64_t>(step) + 1u);
+}
+
 FUSED_EMA_HOST_DEVICE inline ScheduledWeight scheduled_weight(const Schedule& sc, int64_t step) {
+  if (step < 0 || step > kMaxStep) {
+    return {0.0, 0.0};
+  }
   const int64_t s = step - sc.update_after_step - 1;
   double decay = sc.decay;
   if (s <= 0) {

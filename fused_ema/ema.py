@@ -284,10 +284,7 @@ class ModelEma:
     def _run_schedule(self, advance: bool) -> None:
         sc = self._schedule
         gamma, power = sc["warmup"] if sc["warmup"] else (0.0, 1.0)
-        torch.ops.fused_ema.ema_schedule_(
-            self._step,
-            self._out,
-            advance,
+        values = (
             sc["decay"],
             sc["min_decay"],
             gamma,
@@ -295,6 +292,13 @@ class ModelEma:
             sc["update_after_step"],
             sc["update_every"],
         )
+        # The config tensor is kept while the schedule and device stay (no copy per update, so
+        # a CUDA-graph capture holds no host-to-device copy).
+        cached = getattr(self, "_schedule_config", None)
+        if cached is None or cached[0] != values or cached[1].device != self._step.device:
+            config = torch.tensor(values, dtype=torch.float64, device=self._step.device)
+            self._schedule_config = cached = (values, config)
+        torch.ops.fused_ema.ema_schedule_(self._step, self._out, cached[1], advance)
 
     def _refresh_schedule_out(self) -> None:
         with torch.no_grad():

@@ -81,21 +81,37 @@ def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: 
 
 
 @torch.library.register_fake("fused_ema::ema_schedule_")
-def _ema_schedule_fake(
-    step,
-    out,
-    advance,
-    decay,
-    min_decay,
-    warmup_gamma,
-    warmup_power,
-    update_after_step,
-    update_every,
-) -> None:
+def _ema_schedule_fake(step, out, config, advance) -> None:
+    _check_schedule_tensors(step, out, config)
+
+
+def _check_schedule_tensors(step, out, config) -> None:
+    """The tensor checks of the C++ kernels (csrc/schedule.cpp), with the same messages."""
+    op = "fused_ema.ema_schedule_: "
     if step.dtype != torch.int64 or step.numel() != 1:
-        raise ValueError("fused_ema.ema_schedule_: step must be one int64 element")
-    if out.dtype != torch.float64 or out.numel() != 2:
-        raise ValueError("fused_ema.ema_schedule_: out must be 2 float64 elements")
+        raise ValueError(
+            f"{op}step must be one int64 element, got {_dtype_name(step)} of shape "
+            f"{list(step.shape)}"
+        )
+    if out.dtype != torch.float64 or out.numel() != 2 or not out.is_contiguous():
+        raise ValueError(
+            f"{op}out must be 2 contiguous float64 elements (weight, decay), got "
+            f"{_dtype_name(out)} of shape {list(out.shape)}"
+        )
+    if config.dtype != torch.float64 or config.numel() != 6 or not config.is_contiguous():
+        raise ValueError(
+            f"{op}config must be 6 contiguous float64 elements (decay, min_decay, warmup_gamma, "
+            f"warmup_power, update_after_step, update_every), got {_dtype_name(config)} of shape "
+            f"{list(config.shape)}"
+        )
+    if out.device != step.device:
+        raise RuntimeError(f"{op}out is on {out.device} but step is on {step.device}")
+    if config.device != step.device:
+        raise RuntimeError(f"{op}config is on {config.device} but step is on {step.device}")
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).split(".")[-1]
 
 
 def _check_fake(ema: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -17,11 +17,18 @@ template cudaError_t fc::launch_lerp<__half, __half>(const fc::TensorRef*, int64
 template cudaError_t fc::launch_lerp<double, double>(const fc::TensorRef*, int64_t, fc::WeightArg,
                                                      cudaStream_t);
 
-// The schedule formula is shared by host and device (schedule_formula.h).
+// The schedule formula is shared by host and device (schedule_formula.h); the device reads its
+// config from memory, as csrc/cuda/schedule_cuda.cu does.
 #include "schedule_formula.h"
 
-__global__ void schedule_check(const fused_ema::Schedule schedule, int64_t step, double* out) {
-  const fused_ema::ScheduledWeight w = fused_ema::scheduled_weight(schedule, step);
+__global__ void schedule_check(int64_t* step, const double* config, double* out) {
+  *step = fused_ema::next_step(*step);
+  if (fused_ema::first_bad_field(config) != fused_ema::kNumConfigFields) {
+    out[0] = 0.0;
+    return;
+  }
+  const fused_ema::ScheduledWeight w =
+      fused_ema::scheduled_weight(fused_ema::schedule_from_config(config), *step);
   out[0] = w.weight;
   out[1] = w.decay;
 }

@@ -1,0 +1,221 @@
+"""fused_ema::ema_schedule_, the op behind ModelEma's step counter: its weight and decay against a
+float64 Python transcription of the schedule over many steps and random configs, step limits,
+config validation naming each field, tensor checks, and opcheck."""
+
+import math
+import random
+
+import pytest
+import torch
+
+import fused_ema  # noqa: F401  (registers the ops)
+from fused_ema._loader import _C
+
+op = torch.ops.fused_ema.ema_schedule_
+MAX_STEP = 2**53
+FIELDS = ("decay", "min_decay", "warmup_gamma", "warmup_power", "update_after_step", "update_every")
+
+
+def reference(config, step):
+    """(weight, decay) of `step`, written from the README's description of the schedule."""
+    decay, min_decay, gamma, power, after, every = config
+    if step < 0 or step > MAX_STEP:
+        return 0.0, 0.0
+    averaged = step - int(after) - 1
+    if averaged <= 0:
+        d = 0.0
+    elif gamma > 0:
+        d = max(min_decay, min(decay, 1.0 - (1.0 + averaged / gamma) ** -power))
+    else:
+        d = decay
+    if (step - 1) % int(every) != 0:
+        return 0.0, d
+    return 1.0 - d ** int(every), d
+
+
+def tensors(device, step=0, config=(0.999, 0.0, 0.0, 1.0, 0, 1)):
+    return (
+        torch.tensor(step, dtype=torch.int64, device=device),
+        torch.zeros(2, dtype=torch.float64, device=device),
+        torch.tensor(config, dtype=torch.float64, device=device),
+    )
+
+
+def random_config(rng):
+    decay = rng.choice([0.0, 1.0, 0.5, 0.9, 0.999, 0.9999, rng.random()])
+    min_decay = rng.choice([0.0, decay * rng.random(), decay])
+    gamma, power = rng.choice([(0.0, 1.0), (-1.0, 0.0), (1.0, 0.75), (rng.uniform(0.1, 50), 2 / 3)])
+    return (
+        decay,
+        min_decay,
+        gamma,
+        power,
+        float(rng.choice([0, 0, 1, 3, rng.randrange(20)])),
+        float(rng.choice([1, 1, 2, 3, rng.randrange(1, 9)])),
+    )
+
+
+def assert_out(out, expected, context):
+    got = tuple(out.cpu().tolist())
+    for g, e in zip(got, expected):
+        assert math.isclose(g, e, rel_tol=1e-13, abs_tol=1e-15), f"{context}: {got} != {expected}"
+
+
+def test_formula_over_steps_and_configs(device):
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for _ in range(40):
+        config = random_config(rng)
+        step, out, cfg = tensors(device, config=config)
+        for value in list(range(0, 60)) + [rng.randrange(60, 10**6) for _ in range(20)]:
+            step.fill_(value)
+            op(step, out, cfg, False)
+            assert int(step) == value
+            assert_out(out, reference(config, value), f"seed {seed}, config {config}, step {value}")
+
+
+def test_advance_increments_then_schedules(device):
+    config = (0.99, 0.1, 2.0, 0.75, 2.0, 3.0)
+    step, out, cfg = tensors(device, step=-1, config=config)
+    weights = []
+    for expected_step in range(0, 40):
+        op(step, out, cfg, True)
+        assert int(step) == expected_step
+        assert_out(out, reference(config, expected_step), f"step {expected_step}")
+        weights.append(float(out[0]))
+    # every third step from step 1 updates; before update_after_step + 2 it copies (weight 1)
+    assert [k for k, w in enumerate(weights) if w != 0] == list(range(1, 40, 3))
+    assert weights[1] == 1.0 and weights[4] < 1.0
+
+
+@pytest.mark.parametrize("value", [-1, -2, -(2**40), MAX_STEP + 1, 2**62, 2**63 - 1])
+def test_steps_out_of_range_do_nothing(device, value):
+    step, out, cfg = tensors(device, step=value, config=(0.5, 0.0, 0.0, 1.0, 0, 1))
+    out.fill_(7.0)
+    op(step, out, cfg, False)
+    assert out.cpu().tolist() == [0.0, 0.0]
+    assert int(step) == value
+
+
+def test_advance_past_the_limits(device):
+    step, out, cfg = tensors(device, step=MAX_STEP - 1, config=(0.5, 0.0, 0.0, 1.0, 0, 1))
+    op(step, out, cfg, True)
+    assert int(step) == MAX_STEP and out.cpu().tolist() == [0.5, 0.5]
+    op(step, out, cfg, True)
+    assert int(step) == MAX_STEP + 1 and out.cpu().tolist() == [0.0, 0.0]
+    step.fill_(2**63 - 1)  # wraps instead of overflowing
+    op(step, out, cfg, True)
+    assert int(step) == -(2**63) and out.cpu().tolist() == [0.0, 0.0]
+
+
+def test_max_step_is_exported():
+    assert _C.MAX_STEP == MAX_STEP
+
+
+GOOD = (0.9, 0.1, 0.0, 1.0, 2.0, 3.0)
+BAD_FIELDS = [
+    (0, -0.1),
+    (0, 1.5),
+    (0, math.nan),
+    (1, -0.01),
+    (1, 0.95),  # above decay
+    (1, math.nan),
+    (2, math.inf),
+    (2, math.nan),
+    (3, math.nan),
+    (3, -math.inf),
+    (4, -1.0),
+    (4, 1.5),
+    (4, float(MAX_STEP + 2)),
+    (4, math.inf),
+    (5, 0.0),
+    (5, 2.5),
+    (5, float(MAX_STEP + 2)),
+    (5, math.nan),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_FIELDS)
+def test_bad_config_field_is_named(field, value):
+    config = list(GOOD)
+    config[field] = value
+    step, out, cfg = tensors("cpu", step=5, config=config)
+    out.fill_(3.0)
+    with pytest.raises(ValueError, match=rf"config: {FIELDS[field]} must"):
+        op(step, out, cfg, True)
+    assert int(step) == 5 and out.tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("power", [0.0, -1.0])
+def test_warmup_power_must_be_positive_only_with_warmup(power):
+    step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, 10.0, power, 0, 1))
+    with pytest.raises(ValueError, match="config: warmup_power must"):
+        op(step, out, cfg, False)
+    step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, 0.0, power, 0, 1))
+    op(step, out, cfg, False)
+    assert out.tolist() == [pytest.approx(0.1), 0.9]
+
+
+def test_limits_of_the_integer_fields_are_accepted():
+    step, out, cfg = tensors("cpu", step=MAX_STEP, config=(0.5, 0.0, 0.0, 1.0, MAX_STEP, MAX_STEP))
+    op(step, out, cfg, False)
+    assert out.tolist() == [0.0, 0.0]  # not past update_after_step yet, and not a phase-0 step
+
+
+def bad_tensor_cases():
+    good = {
+        "step": torch.tensor(1, dtype=torch.int64),
+        "out": torch.zeros(2, dtype=torch.float64),
+        "config": torch.tensor(GOOD, dtype=torch.float64),
+    }
+    cases = [
+        ("step", torch.tensor(1, dtype=torch.int32), ValueError, "step must be one int64 element"),
+        ("step", torch.tensor([1, 2]), ValueError, r"step .* got int64 of shape \[2\]"),
+        ("out", torch.zeros(2, dtype=torch.float32), ValueError, "out must be 2 contiguous"),
+        ("out", torch.zeros(3, dtype=torch.float64), ValueError, r"out .* shape \[3\]"),
+        ("out", torch.zeros(4, dtype=torch.float64)[::2], ValueError, "out must be 2 contiguous"),
+        ("config", torch.tensor(GOOD, dtype=torch.float32), ValueError, "config must be 6"),
+        ("config", torch.tensor(GOOD[:5], dtype=torch.float64), ValueError, r"shape \[5\]"),
+        (
+            "config",
+            torch.tensor(GOOD * 2, dtype=torch.float64)[::2],
+            ValueError,
+            "config must be 6 contiguous",
+        ),
+        ("out", torch.zeros(2, dtype=torch.float64, device="meta"), RuntimeError, "out is on meta"),
+        (
+            "config",
+            torch.tensor(GOOD, dtype=torch.float64, device="meta"),
+            RuntimeError,
+            "config is on meta but step is on cpu",
+        ),
+    ]
+    for name, tensor, error, match in cases:
+        args = dict(good, **{name: tensor})
+        yield pytest.param(args, error, match, id=f"{name}-{match[:24]}")
+
+
+@pytest.mark.parametrize("args, error, match", list(bad_tensor_cases()))
+def test_bad_tensors_are_refused(args, error, match):
+    step_before = args["step"].clone()
+    with pytest.raises(error, match=match):
+        op(args["step"], args["out"], args["config"], True)
+    if args["step"].device.type != "meta":
+        assert torch.equal(args["step"], step_before)
+
+
+@pytest.mark.parametrize("advance", [False, True])
+def test_opcheck(device, advance):
+    step, out, cfg = tensors(device, step=7, config=(0.99, 0.5, 3.0, 0.75, 2, 2))
+    torch.library.opcheck(op, (step, out, cfg, advance))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_invalid_config_writes_no_update():
+    # The device kernel cannot raise without a sync: a config the caller failed to validate
+    # leaves the EMA as it is (weight 0) and marks the decay NaN.
+    step, out, cfg = tensors("cuda", step=3, config=(0.9, 0.0, 0.0, 1.0, 0, 0))
+    op(step, out, cfg, True)
+    assert int(step) == 4
+    weight, decay = out.cpu().tolist()
+    assert weight == 0.0 and math.isnan(decay)
