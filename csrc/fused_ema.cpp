@@ -4,10 +4,12 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "cpu/cpu_isa.h"
+#include "dtype_pairs.h"
 #include "lerp_op.h"
 #include "schedule_formula.h"
 
@@ -97,6 +99,14 @@ PyMODINIT_FUNC PyInit__C() {
       (std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
        std::to_string(TORCH_VERSION_PATCH))
           .c_str());
+  PyObject* pairs = PyTuple_New(static_cast<Py_ssize_t>(std::size(fused_ema::kPairs)));
+  for (size_t k = 0; pairs != nullptr && k < std::size(fused_ema::kPairs); ++k) {
+    const auto& pair = fused_ema::kPairs[k];
+    PyTuple_SET_ITEM(pairs, static_cast<Py_ssize_t>(k),
+                     Py_BuildValue("(ss)", fused_ema::dtype_name(pair.ema).c_str(),
+                                   fused_ema::dtype_name(pair.src).c_str()));
+  }
+  PyModule_AddObject(module, "DTYPE_PAIRS", pairs);
   PyModule_AddObject(module, "MAX_STEP", PyLong_FromLongLong(fused_ema::kMaxStep));
   PyModule_AddObject(module, "COMPILED_CPU_ISAS", string_tuple(fused_ema::cpu::compiled_isas()));
 #if FUSED_EMA_WITH_CUDA

@@ -14,14 +14,8 @@ from ._loader import _C
 from ._version import __version__
 
 #: (ema dtype, src dtype) pairs the kernels support; a float32 EMA may follow a 16-bit model.
-SUPPORTED_DTYPE_PAIRS = (
-    (torch.float32, torch.float32),
-    (torch.float32, torch.bfloat16),
-    (torch.float32, torch.float16),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.float64, torch.float64),
-)
+#: The list is the C++ one (csrc/dtype_pair_list.h), so the two cannot drift apart.
+SUPPORTED_DTYPE_PAIRS = tuple((getattr(torch, e), getattr(torch, s)) for e, s in _C.DTYPE_PAIRS)
 
 Weight = Union[float, torch.Tensor]
 
