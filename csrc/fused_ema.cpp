@@ -29,7 +29,7 @@ PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_p
 }  // namespace fused_ema
 
 TORCH_LIBRARY(fused_ema, m) {
-  m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, float weight) -> ()");
+  m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, Scalar weight) -> ()");
   m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
   // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
   // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
@@ -80,7 +80,7 @@ PyMethodDef kMethods[] = {
      "Instruction sets compiled in and supported by this CPU."},
     {"set_cpu_isa", set_cpu_isa, METH_O, "Select the CPU instruction set by name."},
     {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
-     "lerp_(ema: list, src: list, weight: float | Tensor) on plain tensors without the "
+     "lerp_(ema: list, src: list, weight: float | int | Tensor) on plain tensors without the "
      "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
     {nullptr, nullptr, 0, nullptr},
 };
