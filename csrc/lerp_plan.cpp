@@ -17,8 +17,48 @@ namespace {
 
 constexpr const char* kOp = "fused_ema.lerp_: ";
 
-// How many tensors ahead the metadata of the next ones is prefetched.
-constexpr size_t kPrefetchAhead = 8;
+// Metadata of a long list has left the cache by the time it is checked. It is prefetched in
+// stages, each a few tensors further ahead than the object its address is read from:
+// kAhead * 3: the at::Tensor, *2: its TensorImpl, *1: the StorageImpl (or version counter).
+constexpr size_t kAhead = 12;
+
+// The tensor at `i` of `list`, prefetched in stages for the walk over it.
+void prefetch_ahead(TensorRefs list, size_t i) {
+  const size_t count = list.size();
+  if (i + 3 * kAhead < count) {
+    __builtin_prefetch(list[i + 3 * kAhead]);
+  }
+  if (i + 2 * kAhead < count) {
+    prefetch_tensor_impl(list[i + 2 * kAhead]->unsafeGetTensorImpl());
+  }
+  if (i + kAhead < count) {
+    __builtin_prefetch(
+        list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+  }
+}
+
+// VariableVersion holds only the pointer to its shared counter; reading it lets the counter be
+// prefetched before bump_version's atomic increment (a prefetch of a wrong address is harmless).
+static_assert(sizeof(c10::VariableVersion) == sizeof(void*));
+const void* version_counter_address(const c10::TensorImpl* impl) {
+  return *reinterpret_cast<const void* const*>(&impl->version_counter());
+}
+
+// Bumps the version counters of `impls`, prefetching TensorImpl then counter ahead (a locked
+// increment that misses the cache stalls every load behind it).
+void bump_versions(const std::vector<c10::TensorImpl*>& impls) {
+  constexpr size_t kBumpAhead = 16;
+  const size_t count = impls.size();
+  for (size_t i = 0; i < count; ++i) {
+    if (i + 2 * kBumpAhead < count) {
+      __builtin_prefetch(&impls[i + 2 * kBumpAhead]->version_counter());
+    }
+    if (i + kBumpAhead < count) {
+      __builtin_prefetch(version_counter_address(impls[i + kBumpAhead]), 1);
+    }
+    impls[i]->bump_version();
+  }
+}
 
 struct Interval {
   uintptr_t lo;
@@ -175,7 +215,19 @@ struct DeviceWork {
   std::vector<int64_t> needs_stand_in;
 };
 
+std::vector<FlatPair>& spare_pairs() {
+  thread_local std::vector<FlatPair> pool;
+  return pool;
+}
+
 }  // namespace
+
+DevicePlan::~DevicePlan() {
+  if (pairs.capacity() > spare_pairs().capacity()) {
+    pairs.clear();
+    spare_pairs().swap(pairs);
+  }
+}
 
 void DevicePlan::finish() const {
   for (const auto& [target, computed] : write_backs) {
@@ -188,16 +240,21 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
                     src.size());
   const size_t count = ema.size();
   std::vector<DeviceWork> work;
+  // The first device's buffers come from per-thread pools (most lists live on one device).
+  Scratch<Interval, 0> first_ema_ranges;
+  Scratch<Interval, 1> first_src_ranges;
+  Scratch<c10::TensorImpl*, 0> impls_scratch;
+  std::vector<c10::TensorImpl*>& ema_impls = impls_scratch.vec;
+  ema_impls.resize(count);
   size_t current = 0;
   for (size_t i = 0; i < count; ++i) {
-    if (i + kPrefetchAhead < count) {
-      __builtin_prefetch(ema[i + kPrefetchAhead]->unsafeGetTensorImpl());
-      __builtin_prefetch(src[i + kPrefetchAhead]->unsafeGetTensorImpl());
-    }
+    prefetch_ahead(ema, i);
+    prefetch_ahead(src, i);
     const at::Tensor& e = *ema[i];
     const at::Tensor& s = *src[i];
     const auto index = static_cast<int64_t>(i);
     check_pair(e, s, index);
+    ema_impls[i] = e.unsafeGetTensorImpl();
     if (work.empty() || work[current].plan.device != e.device()) {
       const auto found = std::find_if(work.begin(), work.end(), [&](const DeviceWork& w) {
         return w.plan.device == e.device();
@@ -205,6 +262,11 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
       current = static_cast<size_t>(found - work.begin());
       if (found == work.end()) {
         work.emplace_back(e.device());
+        if (work.size() == 1) {
+          work[0].plan.pairs.swap(spare_pairs());
+          work[0].ema_ranges.swap(first_ema_ranges.vec);
+          work[0].src_ranges.swap(first_src_ranges.vec);
+        }
         work.back().plan.pairs.reserve(count);
         work.back().ema_ranges.reserve(count);
         work.back().src_ranges.reserve(count);
@@ -230,6 +292,10 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
   for (DeviceWork& w : work) {
     check_overlap_once(w.ema_ranges, w.src_ranges);
   }
+  if (!work.empty()) {
+    work[0].ema_ranges.swap(first_ema_ranges.vec);
+    work[0].src_ranges.swap(first_src_ranges.vec);
+  }
 
   // Every check has passed: only now may stand-ins be made and versions move.
   std::vector<DevicePlan> plans;
@@ -240,9 +306,7 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
     }
     plans.push_back(std::move(w.plan));
   }
-  for (size_t i = 0; i < count; ++i) {
-    ema[i]->unsafeGetTensorImpl()->bump_version();
-  }
+  bump_versions(ema_impls);
   return plans;
 }
 

@@ -29,6 +29,9 @@ struct FlatPair {
 // as the plan; write_backs copy results computed in a stand-in into the caller's ema tensor.
 struct DevicePlan {
   explicit DevicePlan(c10::Device d) : device(d) {}
+  DevicePlan(DevicePlan&&) = default;
+  DevicePlan& operator=(DevicePlan&&) = default;
+  ~DevicePlan();  // hands `pairs` back to plan_lerp's per-thread pool
 
   c10::Device device;
   std::vector<FlatPair> pairs;
@@ -37,6 +40,42 @@ struct DevicePlan {
 
   // Call after the kernels of this plan have been issued (stream order covers CUDA).
   void finish() const;
+};
+
+// Prefetches every cache line of a TensorImpl: the metadata of a long list has left the cache.
+inline void prefetch_tensor_impl(const c10::TensorImpl* impl) {
+  const auto* bytes = reinterpret_cast<const char*>(impl);
+  for (size_t offset = 0; offset < sizeof(c10::TensorImpl); offset += 64) {
+    __builtin_prefetch(bytes + offset);
+  }
+}
+
+// A vector lent by a per-thread pool, given back emptied (capacity kept) when this goes, so that
+// the buffers of a long list are neither allocated nor faulted in at every call. kPool tells
+// pools of one element type apart; a nested call finds its pool lent out and allocates.
+template <typename T, int kPool>
+class Scratch {
+ public:
+  Scratch() {
+    vec.swap(pool());
+    vec.clear();
+  }
+  ~Scratch() {
+    vec.clear();
+    if (vec.capacity() > pool().capacity()) {
+      pool().swap(vec);
+    }
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  std::vector<T> vec;
+
+ private:
+  static std::vector<T>& pool() {
+    thread_local std::vector<T> lent;
+    return lent;
+  }
 };
 
 // Validates lengths, devices, layouts, dtype pairs, shapes, autograd state and memory overlap,

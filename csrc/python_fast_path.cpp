@@ -8,9 +8,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/object_ptr.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <vector>
 
 #include "lerp_op.h"
@@ -20,9 +20,13 @@ namespace {
 
 // A tensor the dispatcher would send straight to our CPU or CUDA kernel: exactly a Tensor or a
 // Parameter (whose __torch_function__ is disabled), with no keys beyond backend and autograd.
-bool plain_tensor(PyObject* obj) {
+bool tensor_type(PyObject* obj) {
   const auto* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
-  if (type != THPVariableClass && type != ParameterClass) {
+  return type == THPVariableClass || type == ParameterClass;
+}
+
+bool plain_tensor(PyObject* obj) {
+  if (!tensor_type(obj)) {
     return false;
   }
   const auto keys = THPVariable_Unpack(obj).key_set() -
@@ -32,19 +36,55 @@ bool plain_tensor(PyObject* obj) {
          keys == c10::DispatchKeySet(c10::DispatchKey::CUDA);
 }
 
-// Borrowed tensor pointers of a tuple of plain tensors, or false if one is not plain.
-bool unpack_plain(PyObject* tuple, std::vector<const at::Tensor*>& out) {
-  const Py_ssize_t n = PyTuple_GET_SIZE(tuple);
-  out.resize(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PyTuple_GET_ITEM(tuple, i);
-    if (!plain_tensor(item)) {
-      return false;
+// Strong references to the items of a list, so that the tensors outlive a release of the GIL
+// whatever happens to the list meanwhile; they are dropped (GIL held) when this goes.
+template <int kPool>
+class OwnedItems {
+ public:
+  OwnedItems() = default;
+  OwnedItems(const OwnedItems&) = delete;
+  OwnedItems& operator=(const OwnedItems&) = delete;
+  ~OwnedItems() {
+    const std::vector<PyObject*>& items = items_.vec;
+    const size_t n = items.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) {
+        __builtin_prefetch(items[i + kAhead], 1);
+      }
+      Py_DECREF(items[i]);
     }
-    out[static_cast<size_t>(i)] = &THPVariable_Unpack(item);
   }
-  return true;
-}
+
+  // Takes a reference to every item of `list` and returns false if one is not a plain tensor
+  // (the references taken so far are dropped with this object). Each PyObject, then its
+  // TensorImpl, is prefetched ahead: a long list has left the cache since it was last used.
+  bool take_plain(PyObject* list, std::vector<const at::Tensor*>& out) {
+    const auto n = static_cast<size_t>(PyList_GET_SIZE(list));
+    PyObject** items = reinterpret_cast<PyListObject*>(list)->ob_item;
+    items_.vec.reserve(n);
+    out.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (i + 2 * kAhead < n) {
+        __builtin_prefetch(items[i + 2 * kAhead], 1);
+      }
+      if (i + kAhead < n && tensor_type(items[i + kAhead])) {
+        prefetch_tensor_impl(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
+      }
+      PyObject* item = items[i];
+      Py_INCREF(item);
+      items_.vec.push_back(item);
+      if (!plain_tensor(item)) {
+        return false;
+      }
+      out[i] = &THPVariable_Unpack(item);
+    }
+    return true;
+  }
+
+ private:
+  static constexpr size_t kAhead = 24;
+  Scratch<PyObject*, kPool> items_;
+};
 
 }  // namespace
 
@@ -62,25 +102,35 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
       at::impl::torch_function_mode_enabled()) {
     Py_RETURN_FALSE;
   }
-  const bool float_weight = PyFloat_Check(weight);
-  if (!float_weight && !plain_tensor(weight)) {
+  // A Python number becomes the Scalar the dispatcher would make of it (lerp checks its type).
+  std::optional<c10::Scalar> number;
+  if (PyBool_Check(weight)) {
+    number = c10::Scalar(weight == Py_True);
+  } else if (PyLong_Check(weight)) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(weight, &overflow);
+    if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    number = c10::Scalar(static_cast<int64_t>(value));
+  } else if (PyFloat_Check(weight)) {
+    number = c10::Scalar(PyFloat_AS_DOUBLE(weight));
+  } else if (!plain_tensor(weight)) {
     Py_RETURN_FALSE;
   }
-  // Tuples own a reference to every tensor, so the lists may change while the GIL is released.
-  THPObjectPtr ema_tuple(PySequence_Tuple(ema_list));
-  THPObjectPtr src_tuple(PySequence_Tuple(src_list));
-  if (!ema_tuple || !src_tuple) {
-    return nullptr;
-  }
-  std::vector<const at::Tensor*> ema;
-  std::vector<const at::Tensor*> src;
-  if (!unpack_plain(ema_tuple.get(), ema) || !unpack_plain(src_tuple.get(), src)) {
+  OwnedItems<0> owned_ema;
+  OwnedItems<1> owned_src;
+  Scratch<const at::Tensor*, 0> ema_scratch;
+  Scratch<const at::Tensor*, 1> src_scratch;
+  std::vector<const at::Tensor*>& ema = ema_scratch.vec;
+  std::vector<const at::Tensor*>& src = src_scratch.vec;
+  if (!owned_ema.take_plain(ema_list, ema) || !owned_src.take_plain(src_list, src)) {
     Py_RETURN_FALSE;
   }
-  if (float_weight) {
-    const double value = PyFloat_AS_DOUBLE(weight);
+  if (number.has_value()) {
     pybind11::gil_scoped_release no_gil;
-    lerp(ema, src, value);
+    lerp(ema, src, *number);
   } else {
     const at::Tensor& tensor = THPVariable_Unpack(weight);
     pybind11::gil_scoped_release no_gil;

@@ -17,6 +17,10 @@ namespace {
 // Elements under which the update stays on the calling thread (ATen's GRAIN_SIZE).
 constexpr int64_t kGrainSize = 32768;
 
+// Pairs ahead whose first bytes are prefetched: the data of many small tensors lies scattered
+// over the heap, and after a long list has been checked none of it is in the cache.
+constexpr size_t kPrefetchPairs = 32;
+
 void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
   // lerp_op.cpp hands a CPU plan only host weights (a CPU tensor weight is read there).
   TORCH_INTERNAL_ASSERT(weight.device_tensor == nullptr);
@@ -24,7 +28,10 @@ void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
   // A zero weight leaves every EMA value as it is (ModelEma's skipped steps): touch no memory.
   if (!pairs.empty() && weight.value != 0.0) {
     const SpanKernels& kernels = active_span_kernels();
-    std::vector<int64_t> offsets(pairs.size() + 1, 0);
+    Scratch<int64_t, 0> offsets_scratch;
+    std::vector<int64_t>& offsets = offsets_scratch.vec;
+    offsets.resize(pairs.size() + 1);
+    offsets[0] = 0;
     for (size_t p = 0; p < pairs.size(); ++p) {
       offsets[p + 1] = offsets[p] + pairs[p].numel;
     }
@@ -32,6 +39,10 @@ void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
       auto p = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
                                    offsets.begin() - 1);
       for (int64_t pos = begin; pos < end; ++p) {
+        if (p + kPrefetchPairs < pairs.size()) {
+          __builtin_prefetch(pairs[p + kPrefetchPairs].ema, 1);
+          __builtin_prefetch(pairs[p + kPrefetchPairs].src);
+        }
         const FlatPair& pair = pairs[p];
         const int64_t stop = std::min(end, offsets[p + 1]);
         kernels.fn[static_cast<int>(pair.kind)](pair.ema, pair.src, pos - offsets[p],
