@@ -35,6 +35,7 @@ CPU_SOURCES = [
     "csrc/lerp_op.cpp",
     "csrc/lerp_plan.cpp",
     "csrc/python_fast_path.cpp",
+    "csrc/python_walk.cpp",
     "csrc/schedule.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/lerp_cpu.cpp",

@@ -23,6 +23,11 @@ int cuda_version_built();
 
 namespace fused_ema {
 PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_path.cpp
+// python_walk.cpp
+PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs);
+PyObject* python_walk_signature(PyObject* module, PyObject* walk);
+PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace fused_ema
 
 TORCH_LIBRARY(fused_ema, m) {
@@ -80,6 +85,19 @@ PyMethodDef kMethods[] = {
     {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
      "lerp_(ema: list, src: list, weight: float | Tensor) on plain tensors without the "
      "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
+    {"tensor_walk", reinterpret_cast<PyCFunction>(fused_ema::python_tensor_walk),
+     METH_VARARGS | METH_KEYWORDS,
+     "tensor_walk(model, with_buffers=True) -> list: per distinct module (depth-first pre-order, "
+     "None children skipped), its _parameters values, then its persistent _buffers values; "
+     "None entries kept."},
+    {"walk_signature", fused_ema::python_walk_signature, METH_O,
+     "walk_signature(walk: list) -> bytes: each item's Python type, dtype, layout, device and "
+     "sizes, or a None marker."},
+    {"walk_matches", reinterpret_cast<PyCFunction>(fused_ema::python_walk_matches), METH_FASTCALL,
+     "walk_matches(walk: list, refs: tuple, signature: bytes) -> bool: every refs[i] is None with "
+     "walk[i] None or a weakref.ref to walk[i] itself, and walk_signature(walk) == signature."},
+    {"take", reinterpret_cast<PyCFunction>(fused_ema::python_take), METH_FASTCALL,
+     "take(walk: list, indices: tuple[int, ...]) -> list: [walk[i] for i in indices]."},
     {nullptr, nullptr, 0, nullptr},
 };
 

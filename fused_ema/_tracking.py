@@ -128,5 +128,5 @@ def tensor_walk(model: nn.Module, with_buffers: bool = True) -> list:
             skip = module._non_persistent_buffers_set
             buffers = module._buffers
             extend([b for n, b in buffers.items() if n not in skip] if skip else buffers.values())
-        push(module._modules.values())
+        push([m for m in reversed(module._modules.values()) if m is not None])
     return out
