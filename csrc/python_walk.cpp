@@ -81,6 +81,17 @@ struct ModuleDicts {
   PyObject* buffers = nullptr;
   PyObject* skip = nullptr;  // _non_persistent_buffers_set
   PyObject* children = nullptr;
+
+  void hold() const {
+    for (PyObject* obj : {parameters, buffers, skip, children}) {
+      Py_XINCREF(obj);
+    }
+  }
+  void release() const {
+    for (PyObject* obj : {parameters, buffers, skip, children}) {
+      Py_XDECREF(obj);
+    }
+  }
 };
 
 PyObject* dict_entry(PyObject* instance_dict, PyObject* module, PyObject* name) {
@@ -95,23 +106,29 @@ PyObject* dict_entry(PyObject* instance_dict, PyObject* module, PyObject* name) 
 }
 
 bool read_dicts(PyObject* module, bool with_buffers, ModuleDicts& out) {
-  THPObjectPtr instance_dict(PyObject_GenericGetDict(module, nullptr));
-  if (!instance_dict) {
+  PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+  if (dict == nullptr) {
     PyErr_Clear();
-    instance_dict = PyDict_New();  // for the error message below
-    if (!instance_dict) {
-      return false;
-    }
+    PyErr_Format(PyExc_TypeError,
+                 "tensor_walk: a %.200s in the module tree has no __dict__ "
+                 "(only torch.nn.Module trees can be walked)",
+                 Py_TYPE(module)->tp_name);
+    return false;
   }
-  PyObject* dict = instance_dict.get();
+  Py_DECREF(dict);  // the module keeps it alive; the safe walk holds what it reads from it
   out.parameters = dict_entry(dict, module, g_parameters);
   out.children = out.parameters ? dict_entry(dict, module, g_modules) : nullptr;
   if (with_buffers && out.children != nullptr) {
     out.buffers = dict_entry(dict, module, g_buffers);
     out.skip = out.buffers ? dict_entry(dict, module, g_non_persistent) : nullptr;
-    return out.skip != nullptr;
   }
-  return out.children != nullptr;
+  if (out.children == nullptr || (with_buffers && out.skip == nullptr)) {
+    return false;
+  }
+  __builtin_prefetch(out.parameters);  // all three are read next: let their misses overlap
+  __builtin_prefetch(out.children);
+  __builtin_prefetch(out.buffers);
+  return true;
 }
 
 // Whether reading the module's dicts and set can run no Python code: exact dicts, an exact set,
@@ -123,7 +140,13 @@ bool python_free(const ModuleDicts& d, bool with_buffers) {
   if (!with_buffers) {
     return true;
   }
-  if (!PyDict_CheckExact(d.buffers) || !PyAnySet_CheckExact(d.skip)) {
+  if (!PyDict_CheckExact(d.buffers)) {
+    return false;
+  }
+  if (PyDict_GET_SIZE(d.buffers) == 0) {
+    return true;
+  }
+  if (!PyAnySet_CheckExact(d.skip)) {
     return false;
   }
   if (PySet_GET_SIZE(d.skip) > 0) {
@@ -261,6 +284,7 @@ class Walk {
     if (Safe) {
       Py_INCREF(module);
     }
+    __builtin_prefetch(reinterpret_cast<char*>(module) - 32);  // its header and __dict__ slot
     stack_.push_back(module);
   }
 
@@ -272,14 +296,17 @@ class Walk {
     if (!Safe && !python_free(d, with_buffers_)) {
       return Outcome::kNeedsSafeWalk;
     }
-    THPObjectPtr hold[4];
     if (Safe) {
-      PyObject* refs[] = {d.parameters, d.children, d.buffers, d.skip};
-      for (int k = 0; k < 4; ++k) {
-        Py_XINCREF(refs[k]);
-        hold[k] = refs[k];
-      }
+      d.hold();
     }
+    const Outcome outcome = read_items(d);
+    if (Safe) {
+      d.release();
+    }
+    return outcome;
+  }
+
+  Outcome read_items(const ModuleDicts& d) {
     names_hash = (names_hash + 1) * 0x100000001b3ull;  // a module boundary
     if (!for_each_item(d.parameters, [&](PyObject* name, PyObject* value) {
           push_item(value);
@@ -287,7 +314,7 @@ class Walk {
         })) {
       return failed();
     }
-    if (with_buffers_) {
+    if (with_buffers_ && (!PyDict_CheckExact(d.buffers) || PyDict_GET_SIZE(d.buffers) > 0)) {
       const bool skip_any = !PyAnySet_Check(d.skip) || PySet_GET_SIZE(d.skip) > 0;
       if (!for_each_item(d.buffers, [&](PyObject* name, PyObject* value) {
             const int skipped = skip_any ? PySequence_Contains(d.skip, name) : 0;

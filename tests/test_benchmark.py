@@ -98,3 +98,15 @@ def test_training_loop_benchmark_runs(tmp_path):
     assert variants["no EMA"]["vs_no_ema"] == 1.0
     assert variants["EMA on the model's device"]["median_ms"] > 0
     assert list(tmp_path.glob("training_loop_*.json"))
+
+
+def test_overhead_benchmark_runs(tmp_path):
+    from benchmarks import overhead
+
+    record = overhead.main(
+        ["--sizes", "10,40", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
+    )
+    assert [row["tensors"] for row in record["rows"]] == [10, 40]
+    for row in record["rows"]:
+        assert all(row[name]["ns_per_tensor"] > 0 for name in overhead.CONTENDERS)
+    assert sorted(p.suffix for p in tmp_path.glob("overhead_*")) == [".json", ".md"]

@@ -1,0 +1,165 @@
+"""Host overhead per model tensor of an EMA update on tiny tensors (nn.Linear(8, 8) layers in
+nested containers, float32, CPU), where the cost is all bookkeeping: the fused kernel, foreach,
+ModelEma.update, and the check that the model still holds the planned tensors (_C.tensor_walk +
+walk_matches + take) next to the Python walk it replaces. Medians of interleaved runs of this
+thread's CPU time, on one torch thread: on a shared machine, wall time and OpenMP barriers would
+measure the other tenants instead of the bookkeeping.
+
+    python -m benchmarks.overhead [--sizes 100,1000,10000] [--out benchmarks/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+import fused_ema
+from fused_ema import _C
+from fused_ema._tracking import tensor_walk
+
+from . import report
+from .timing import summary
+
+DECAY = 0.999
+CONTENDERS = (
+    "fused_ema.lerp_",
+    "torch._foreach_lerp_",
+    "ModelEma.update",
+    "C walk check",
+    "Python tensor_walk",
+)
+
+
+def build_model(tensors: int) -> nn.Module:
+    """tensors / 2 Linear(8, 8) layers: Sequentials of 4 inside ModuleLists of 8 inside one
+    Sequential, so the walk meets three container levels."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(max(1, tensors // 2))]
+    blocks = [nn.Sequential(*layers[i : i + 4]) for i in range(0, len(layers), 4)]
+    return nn.Sequential(*(nn.ModuleList(blocks[i : i + 8]) for i in range(0, len(blocks), 8)))
+
+
+def steps(model: nn.Module) -> dict:
+    src = [t.detach() for t in _C.tensor_walk(model, True) if t is not None]  # share storage
+    ema = [t.detach().clone() for t in src]
+    ema_model = fused_ema.ModelEma(model, DECAY)
+    walk = _C.tensor_walk(model, True)
+    refs = tuple(None if t is None else weakref.ref(t) for t in walk)
+    signature = _C.walk_signature(walk)
+    indices = tuple(i for i, t in enumerate(walk) if t is not None)
+
+    def walk_check():
+        current = _C.tensor_walk(model, True)
+        assert _C.walk_matches(current, refs, signature)
+        _C.take(current, indices)
+
+    return {
+        "fused_ema.lerp_": lambda: fused_ema.lerp_(ema, src, 1 - DECAY),
+        "torch._foreach_lerp_": lambda: torch._foreach_lerp_(ema, src, 1 - DECAY),
+        "ModelEma.update": lambda: ema_model.update(model),
+        "C walk check": walk_check,
+        "Python tensor_walk": lambda: tensor_walk(model, True),
+    }
+
+
+def repeated(fn, times: int):
+    def run():
+        for _ in range(times):
+            fn()
+
+    return run
+
+
+def cpu_interleaved(steps: dict, rounds: int, reps: int, on_round) -> dict[str, list[float]]:
+    """timing.interleaved's rotation (warm-up, then rounds starting from a different contender),
+    timed with the calling thread's CPU clock."""
+    names = list(steps)
+    for fn in steps.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            for _ in range(reps):
+                start = time.thread_time()
+                steps[name]()
+                samples[name].append(time.thread_time() - start)
+        on_round()
+    return samples
+
+
+def measure(tensors: int, rounds: int, reps: int, on_round) -> dict:
+    model = build_model(tensors)
+    count = sum(1 for _ in model.parameters())
+    inner = max(1, 4_000 // count)  # calls per sample: keeps timer overhead out of tiny calls
+    timed = {name: repeated(fn, inner) for name, fn in steps(model).items()}
+    samples = cpu_interleaved(timed, rounds, reps, on_round)
+    row = {"tensors": count, "calls_per_sample": inner}
+    for name, times in samples.items():
+        stats = summary([t / inner for t in times])
+        stats["ns_per_tensor"] = stats["median_ms"] * 1e6 / count
+        row[name] = stats
+    return row
+
+
+def table(record: dict) -> str:
+    header = f"{'tensors':>8} " + " ".join(f"{name:>20}" for name in CONTENDERS)
+    lines = ["median ns (thread CPU time) per model tensor", header, "-" * len(header)]
+    for row in record["rows"]:
+        cells = " ".join(f"{row[name]['ns_per_tensor']:20.1f}" for name in CONTENDERS)
+        lines.append(f"{row['tensors']:8d} {cells}")
+    return "\n".join(lines)
+
+
+def markdown(record: dict) -> str:
+    m = record["machine"]
+    lines = [
+        f"# fused_ema host overhead: {m['cpu']}",
+        "",
+        f"{m['date']}, torch {m['torch']}, {m['threads']} CPU threads, Python {m['python']}, "
+        f"fused_ema {m['fused_ema']['version']}. Median ns per model tensor (nn.Linear(8, 8) "
+        f"layers, float32, CPU), thread CPU time, {record['rounds']} interleaved rounds.",
+        "",
+        "| tensors | " + " | ".join(CONTENDERS) + " |",
+        "|---:|" + "---:|" * len(CONTENDERS),
+    ]
+    for row in record["rows"]:
+        cells = " | ".join(f"{row[name]['ns_per_tensor']:.1f}" for name in CONTENDERS)
+        lines.append(f"| {row['tensors']:,} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--sizes", default="100,1000,10000", help="model tensors, comma-separated")
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = {"machine": report.machine(["cpu"]), "rounds": args.rounds, "rows": []}
+    with tqdm(total=len(sizes) * args.rounds, desc="overhead", unit="round", leave=False) as bar:
+        for size in sizes:
+            record["rows"].append(measure(size, args.rounds, args.reps, lambda: bar.update(1)))
+    print(table(record))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"overhead_{report.slug(record['machine'])}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    stem.with_suffix(".md").write_text(markdown(record))
+    print(f"wrote {stem}.json and .md")
+    return record
+
+
+if __name__ == "__main__":
+    main()
