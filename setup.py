@@ -36,6 +36,7 @@ CPU_SOURCES = [
     "csrc/lerp_plan.cpp",
     "csrc/python_fast_path.cpp",
     "csrc/schedule.cpp",
+    "csrc/stochastic_round_testing.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/lerp_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",

@@ -24,6 +24,8 @@ int cuda_version_built();
 
 namespace fused_ema {
 PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_path.cpp
+PyObject* python_philox(PyObject* module, PyObject* args);  // stochastic_round_testing.cpp
+PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 }  // namespace fused_ema
 
 TORCH_LIBRARY(fused_ema, m) {
@@ -80,6 +82,11 @@ PyMethodDef kMethods[] = {
     {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
      "lerp_(ema: list, src: list, weight: float | Tensor) on plain tensors without the "
      "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
+    {"_philox", fused_ema::python_philox, METH_VARARGS,
+     "Test only: Philox4x32-10((c0, c1, c2, c3), (k0, k1)) -> 4 words."},
+    {"_stochastic_round", fused_ema::python_stochastic_round, METH_VARARGS,
+     "Test only: (float32 values, 'bfloat16' | 'float16', seed, step, key, offset) -> the "
+     "stochastically rounded tensor."},
     {nullptr, nullptr, 0, nullptr},
 };
 
