@@ -24,7 +24,7 @@ int cuda_version_built();
 
 namespace fused_ema {
 PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_path.cpp
-PyObject* python_philox(PyObject* module, PyObject* args);  // stochastic_round_testing.cpp
+PyObject* python_philox(PyObject* module, PyObject* args);      // stochastic_round_testing.cpp
 PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 }  // namespace fused_ema
 

@@ -26,8 +26,7 @@ PyObject* python_philox(PyObject* /*module*/, PyObject* args) {
   sr::Words ctr{};
   uint32_t k0 = 0;
   uint32_t k1 = 0;
-  if (!PyArg_ParseTuple(args, "(IIII)(II)", &ctr.w[0], &ctr.w[1], &ctr.w[2], &ctr.w[3], &k0,
-                        &k1)) {
+  if (!PyArg_ParseTuple(args, "(IIII)(II)", &ctr.w[0], &ctr.w[1], &ctr.w[2], &ctr.w[3], &k0, &k1)) {
     return nullptr;
   }
   const sr::Words out = sr::philox4x32_10(ctr, k0, k1);
@@ -46,8 +45,7 @@ PyObject* python_stochastic_round(PyObject* /*module*/, PyObject* args) {
   PyObject* step_obj = nullptr;
   unsigned int key = 0;
   unsigned long long offset = 0;
-  if (!PyArg_ParseTuple(args, "OsOOIK", &values_obj, &dtype, &seed_obj, &step_obj, &key,
-                        &offset)) {
+  if (!PyArg_ParseTuple(args, "OsOOIK", &values_obj, &dtype, &seed_obj, &step_obj, &key, &offset)) {
     return nullptr;
   }
   uint64_t seed = 0;
@@ -62,8 +60,8 @@ PyObject* python_stochastic_round(PyObject* /*module*/, PyObject* args) {
   const bool bf16 = std::strcmp(dtype, "bfloat16") == 0;
   TORCH_CHECK_VALUE(bf16 || std::strcmp(dtype, "float16") == 0,
                     "dtype must be 'bfloat16' or 'float16', got ", dtype);
-  at::Tensor out = at::empty(values.sizes(), values.options().dtype(bf16 ? at::kBFloat16
-                                                                          : at::kHalf));
+  at::Tensor out =
+      at::empty(values.sizes(), values.options().dtype(bf16 ? at::kBFloat16 : at::kHalf));
   const float* in = values.const_data_ptr<float>();
   auto* bits = static_cast<uint16_t*>(out.mutable_data_ptr());
   for (int64_t i = 0; i < values.numel(); ++i) {

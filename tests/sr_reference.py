@@ -50,7 +50,9 @@ def element_words(seed, step, key, offset, n):
 def round_bf16(values, words):
     """timm 1.0.31: add 16 random bits below the kept half, truncate; NaN to nearest (0x7FC0)."""
     bits = np.asarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    out = ((bits + (words.astype(np.uint64) & np.uint64(0xFFFF))) >> np.uint64(16)).astype(np.uint16)
+    out = ((bits + (words.astype(np.uint64) & np.uint64(0xFFFF))) >> np.uint64(16)).astype(
+        np.uint16
+    )
     return np.where(np.isnan(values), np.uint16(0x7FC0), out)
 
 

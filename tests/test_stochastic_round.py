@@ -49,12 +49,41 @@ def special_values():
     """Every kind of float32 an EMA can hold, around both formats' edges."""
     f32 = np.finfo(np.float32)
     half_edges = [
-        65504.0, 65505.0, 65519.0, 65520.0, 65535.9, 65536.0, 1e6,  # largest half and beyond
-        6.103515625e-05, 6.0e-05, 5.960464477539063e-08, 2.9802322e-08, 1e-9, 1e-30,  # subnormals
-        2.0**-25, 3 * 2.0**-26, 2.0**-24 * 1.5,
+        65504.0,
+        65505.0,
+        65519.0,
+        65520.0,
+        65535.9,
+        65536.0,
+        1e6,  # largest half and beyond
+        6.103515625e-05,
+        6.0e-05,
+        5.960464477539063e-08,
+        2.9802322e-08,
+        1e-9,
+        1e-30,  # subnormals
+        2.0**-25,
+        3 * 2.0**-26,
+        2.0**-24 * 1.5,
     ]
-    values = [0.0, 1.0, 1.0 + 2**-10, 1.0 + 2**-23, 1 / 3, 3.14159, 1e-3, 1e30, f32.max, f32.tiny,
-              f32.tiny / 8, f32.smallest_subnormal, np.inf, np.nan, 3.3895314e38, *half_edges]
+    values = [
+        0.0,
+        1.0,
+        1.0 + 2**-10,
+        1.0 + 2**-23,
+        1 / 3,
+        3.14159,
+        1e-3,
+        1e30,
+        f32.max,
+        f32.tiny,
+        f32.tiny / 8,
+        f32.smallest_subnormal,
+        np.inf,
+        np.nan,
+        3.3895314e38,
+        *half_edges,
+    ]
     values = np.array(values, dtype=np.float32)
     return np.concatenate([values, -values])
 
