@@ -6,11 +6,11 @@ import subprocess
 
 import numpy as np
 import pytest
-import torch
-
 import sr_reference as ref
-from fused_ema._loader import _C
+import torch
 from test_cuda_compile import NVCC, ROOT
+
+from fused_ema._loader import _C
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, expected).
 PHILOX_KAT = [
@@ -157,8 +157,8 @@ def test_header_compiles_for_the_device(arch, tmp_path):
     source.write_text(
         '#include "stochastic_round.h"\n'
         "namespace sr = fused_ema::sr;\n"
-        "__global__ void sr_check(const unsigned* in, unsigned short* out, unsigned long long n) {\n"
-        "  const unsigned long long i = blockIdx.x * 1ull * blockDim.x + threadIdx.x;\n"
+        "__global__ void sr_check(const unsigned* in, unsigned short* out, size_t n) {\n"
+        "  const size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;\n"
         "  if (i >= n) return;\n"
         "  const unsigned word = sr::element_word(1, 2, 3, i);\n"
         "  out[2 * i] = sr::round_bf16(in[i], word);\n"
