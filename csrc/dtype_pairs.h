@@ -1,19 +1,17 @@
-// The (ema dtype, src dtype) pairs that fused_ema::lerp_ supports, shared by every backend.
-// Mixed pairs feed a float32 EMA from bfloat16/float16 weights without a temporary copy.
+// The (ema dtype, src dtype) pairs that fused_ema::lerp_ supports (dtype_pair_list.h) as torch
+// scalar types, and the dtype names users know. Mixed pairs feed a float32 EMA from
+// bfloat16/float16 weights without a temporary copy.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
-#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
 
+#include "dtype_pair_list.h"
+
 namespace fused_ema {
-
-enum class PairKind : uint8_t { kF32F32, kF32BF16, kF32F16, kBF16BF16, kF16F16, kF64F64 };
-
-constexpr int kNumPairKinds = 6;
 
 struct PairInfo {
   PairKind kind;
@@ -21,14 +19,11 @@ struct PairInfo {
   c10::ScalarType src;
 };
 
-constexpr std::array<PairInfo, kNumPairKinds> kPairs = {{
-    {PairKind::kF32F32, c10::ScalarType::Float, c10::ScalarType::Float},
-    {PairKind::kF32BF16, c10::ScalarType::Float, c10::ScalarType::BFloat16},
-    {PairKind::kF32F16, c10::ScalarType::Float, c10::ScalarType::Half},
-    {PairKind::kBF16BF16, c10::ScalarType::BFloat16, c10::ScalarType::BFloat16},
-    {PairKind::kF16F16, c10::ScalarType::Half, c10::ScalarType::Half},
-    {PairKind::kF64F64, c10::ScalarType::Double, c10::ScalarType::Double},
-}};
+#define FUSED_EMA_PAIR_INFO(kind, ema, src, ...) \
+  {PairKind::kind, c10::ScalarType::ema, c10::ScalarType::src},
+constexpr PairInfo kPairs[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_PAIR_INFO)};
+#undef FUSED_EMA_PAIR_INFO
+static_assert(in_pair_kind_order(kPairs), "kPairs must list every PairKind in order");
 
 inline std::optional<PairKind> pair_kind(c10::ScalarType ema, c10::ScalarType src) {
   for (const auto& pair : kPairs) {

@@ -4,10 +4,12 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "cpu/cpu_isa.h"
+#include "dtype_pairs.h"
 #include "lerp_op.h"
 #include "schedule_formula.h"
 
@@ -29,7 +31,7 @@ PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 }  // namespace fused_ema
 
 TORCH_LIBRARY(fused_ema, m) {
-  m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, float weight) -> ()");
+  m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, Scalar weight) -> ()");
   m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
   // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
   // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
@@ -80,7 +82,7 @@ PyMethodDef kMethods[] = {
      "Instruction sets compiled in and supported by this CPU."},
     {"set_cpu_isa", set_cpu_isa, METH_O, "Select the CPU instruction set by name."},
     {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
-     "lerp_(ema: list, src: list, weight: float | Tensor) on plain tensors without the "
+     "lerp_(ema: list, src: list, weight: float | int | Tensor) on plain tensors without the "
      "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
     {"_philox", fused_ema::python_philox, METH_VARARGS,
      "Test only: Philox4x32-10((c0, c1, c2, c3), (k0, k1)) -> 4 words."},
@@ -104,6 +106,14 @@ PyMODINIT_FUNC PyInit__C() {
       (std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
        std::to_string(TORCH_VERSION_PATCH))
           .c_str());
+  PyObject* pairs = PyTuple_New(static_cast<Py_ssize_t>(std::size(fused_ema::kPairs)));
+  for (size_t k = 0; pairs != nullptr && k < std::size(fused_ema::kPairs); ++k) {
+    const auto& pair = fused_ema::kPairs[k];
+    PyTuple_SET_ITEM(pairs, static_cast<Py_ssize_t>(k),
+                     Py_BuildValue("(ss)", fused_ema::dtype_name(pair.ema).c_str(),
+                                   fused_ema::dtype_name(pair.src).c_str()));
+  }
+  PyModule_AddObject(module, "DTYPE_PAIRS", pairs);
   PyModule_AddObject(module, "MAX_STEP", PyLong_FromLongLong(fused_ema::kMaxStep));
   PyModule_AddObject(module, "COMPILED_CPU_ISAS", string_tuple(fused_ema::cpu::compiled_isas()));
 #if FUSED_EMA_WITH_CUDA

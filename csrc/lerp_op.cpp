@@ -53,6 +53,13 @@ std::vector<const at::Tensor*> refs(at::TensorList tensors) {
   return out;
 }
 
+void lerp_value(TensorRefs ema, TensorRefs src, double weight) {
+  // A NaN or infinite weight would poison every EMA entry; a device weight cannot be checked
+  // without a sync, so only host-known weights are.
+  TORCH_CHECK_VALUE(std::isfinite(weight), kOp, "weight must be finite, got ", weight);
+  run(ema, src, {weight, nullptr});
+}
+
 }  // namespace
 
 bool register_device_runner(c10::DeviceType type, DeviceRunner runner) {
@@ -70,11 +77,13 @@ std::vector<std::string> devices_with_kernels() {
   return names;
 }
 
-void lerp(TensorRefs ema, TensorRefs src, double weight) {
-  // A NaN or infinite weight would poison every EMA entry; a device weight cannot be checked
-  // without a sync, so only host-known weights are.
-  TORCH_CHECK_VALUE(std::isfinite(weight), kOp, "weight must be finite, got ", weight);
-  run(ema, src, {weight, nullptr});
+void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight) {
+  // The schema's Scalar keeps the Python type, so that True is refused here as it is by
+  // fused_ema.lerp_ (a `float` argument would have turned it into 1.0).
+  TORCH_CHECK_TYPE(weight.isFloatingPoint() || weight.isIntegral(/*includeBool=*/false), kOp,
+                   "weight must be a float or a 0-dim tensor, got ",
+                   weight.isBoolean() ? "bool" : "complex");
+  lerp_value(ema, src, weight.toDouble());
 }
 
 void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
@@ -91,13 +100,13 @@ void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
     // A CPU scalar is read where it lies: one number needs no trip through the dispatcher.
     const double value = type == at::kFloat ? static_cast<double>(*weight.const_data_ptr<float>())
                                             : *weight.const_data_ptr<double>();
-    lerp(ema, src, value);
+    lerp_value(ema, src, value);
   } else {
     run(ema, src, {0.0, &weight});
   }
 }
 
-void lerp_op(at::TensorList ema, at::TensorList src, double weight) {
+void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight) {
   lerp(refs(ema), refs(src), weight);
 }
 

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
+#include <c10/core/Scalar.h>
 
 #include <string>
 #include <vector>
@@ -28,11 +29,12 @@ bool register_device_runner(c10::DeviceType type, DeviceRunner runner);
 // "cpu", "cuda": the device types this build has kernels for.
 std::vector<std::string> devices_with_kernels();
 
-void lerp(TensorRefs ema, TensorRefs src, double weight);
+// A Python number as weight: a float or an int (not a bool), finite.
+void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight);
 void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight);
 
 // The signatures the dispatcher calls (schema in fused_ema.cpp).
-void lerp_op(at::TensorList ema, at::TensorList src, double weight);
+void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight);
 void lerp_op_tensor_weight(at::TensorList ema, at::TensorList src, const at::Tensor& weight);
 
 }  // namespace fused_ema

@@ -11,6 +11,7 @@
 #include <torch/csrc/utils/object_ptr.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <vector>
 
 #include "lerp_op.h"
@@ -62,8 +63,21 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
       at::impl::torch_function_mode_enabled()) {
     Py_RETURN_FALSE;
   }
-  const bool float_weight = PyFloat_Check(weight);
-  if (!float_weight && !plain_tensor(weight)) {
+  // A Python number becomes the Scalar the dispatcher would make of it (lerp checks its type).
+  std::optional<c10::Scalar> number;
+  if (PyBool_Check(weight)) {
+    number = c10::Scalar(weight == Py_True);
+  } else if (PyLong_Check(weight)) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(weight, &overflow);
+    if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    number = c10::Scalar(static_cast<int64_t>(value));
+  } else if (PyFloat_Check(weight)) {
+    number = c10::Scalar(PyFloat_AS_DOUBLE(weight));
+  } else if (!plain_tensor(weight)) {
     Py_RETURN_FALSE;
   }
   // Tuples own a reference to every tensor, so the lists may change while the GIL is released.
@@ -77,10 +91,9 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
   if (!unpack_plain(ema_tuple.get(), ema) || !unpack_plain(src_tuple.get(), src)) {
     Py_RETURN_FALSE;
   }
-  if (float_weight) {
-    const double value = PyFloat_AS_DOUBLE(weight);
+  if (number.has_value()) {
     pybind11::gil_scoped_release no_gil;
-    lerp(ema, src, value);
+    lerp(ema, src, *number);
   } else {
     const at::Tensor& tensor = THPVariable_Unpack(weight);
     pybind11::gil_scoped_release no_gil;

@@ -14,14 +14,8 @@ from ._loader import _C
 from ._version import __version__
 
 #: (ema dtype, src dtype) pairs the kernels support; a float32 EMA may follow a 16-bit model.
-SUPPORTED_DTYPE_PAIRS = (
-    (torch.float32, torch.float32),
-    (torch.float32, torch.bfloat16),
-    (torch.float32, torch.float16),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.float64, torch.float64),
-)
+#: The list is the C++ one (csrc/dtype_pair_list.h), so the two cannot drift apart.
+SUPPORTED_DTYPE_PAIRS = tuple((getattr(torch, e), getattr(torch, s)) for e, s in _C.DTYPE_PAIRS)
 
 Weight = Union[float, torch.Tensor]
 
@@ -43,15 +37,13 @@ def lerp_(
     src = _tensor_list(src_tensors, "src_tensors")
     if len(ema) != len(src):
         raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
+    # Numbers go to C++ as they are: it refuses a bool (and a non-finite weight) on every route.
     if isinstance(weight, torch.Tensor):
         op = torch.ops.fused_ema.lerp_.Tensor
-    elif isinstance(weight, (float, int)) and not isinstance(weight, bool):
-        op, weight = torch.ops.fused_ema.lerp_.default, float(weight)
+    elif isinstance(weight, (float, int)):
+        op = torch.ops.fused_ema.lerp_.default
     else:
-        kind = type(weight).__name__
-        raise TypeError(f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {kind}")
-    if not ema:
-        return
+        raise TypeError(_weight_type_error(weight))
     # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver);
     # anything the dispatcher must see (compile, modes, subclasses) goes through torch.ops.
     if not torch.compiler.is_compiling() and _C._lerp_eager(ema, src, weight):
@@ -68,8 +60,14 @@ def _tensor_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tenso
     return tensors
 
 
+def _weight_type_error(weight) -> str:
+    return f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {type(weight).__name__}"
+
+
 @torch.library.register_fake("fused_ema::lerp_")
-def _lerp_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: float) -> None:
+def _lerp_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight) -> None:
+    if isinstance(weight, (bool, complex)):
+        raise TypeError(_weight_type_error(weight))
     _check_fake(ema, src)
 
 
@@ -78,11 +76,26 @@ def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: 
     _check_fake(ema, src)
     if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
         raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
+    _refuse_meta("fused_ema.lerp_: ", [weight])
 
 
 @torch.library.register_fake("fused_ema::ema_schedule_")
 def _ema_schedule_fake(step, out, config, advance) -> None:
     _check_schedule_tensors(step, out, config)
+    _refuse_meta("fused_ema.ema_schedule_: ", [step])
+
+
+def _refuse_meta(op: str, tensors: list[torch.Tensor]) -> None:
+    """register_fake makes the fake kernels the ops' Meta kernels too: real meta tensors arrive
+    here, where a silent return would pretend an update happened. FakeTensorMode (torch.compile)
+    calls the fake kernels with FakeTensors of the device they stand for, which pass."""
+    for t in tensors:
+        if t.device.type == "meta":
+            raise RuntimeError(
+                f"{op}meta tensors hold no data, so there is nothing to update; run the op on "
+                "tensors of a real device (torch.compile and FakeTensorMode trace it without "
+                "running it)"
+            )
 
 
 def _check_schedule_tensors(step, out, config) -> None:
@@ -133,6 +146,7 @@ def _check_fake(ema: list[torch.Tensor], src: list[torch.Tensor]) -> None:
                 f"fused_ema.lerp_: src[{i}] has shape {list(s.shape)} but ema[{i}] has shape "
                 f"{list(e.shape)}"
             )
+    _refuse_meta("fused_ema.lerp_: ", ema)
 
 
 def build_info() -> dict:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import fused_ema
@@ -30,6 +31,31 @@ def test_build_info_reports_the_compiled_kernels():
 
 def test_build_info_cpu_kernel_answers_through_the_dispatcher():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_ema::lerp_", "CPU")
+
+
+# The pairs of the design brief, in the order SUPPORTED_DTYPE_PAIRS has always had.
+EXPECTED_PAIRS = (
+    ("float32", "float32"),
+    ("float32", "bfloat16"),
+    ("float32", "float16"),
+    ("bfloat16", "bfloat16"),
+    ("float16", "float16"),
+    ("float64", "float64"),
+)
+
+
+def test_dtype_pairs_come_from_the_compiled_list():
+    from fused_ema._loader import _C
+
+    assert _C.DTYPE_PAIRS == EXPECTED_PAIRS
+    expected = tuple((getattr(torch, e), getattr(torch, s)) for e, s in EXPECTED_PAIRS)
+    assert fused_ema.SUPPORTED_DTYPE_PAIRS == expected
+    # The C++ error message lists the same pairs, from the same list.
+    listed = ", ".join(f"({e}, {s})" for e, s in EXPECTED_PAIRS)
+    bad = [torch.zeros(3, dtype=torch.float16)], [torch.zeros(3, dtype=torch.float32)]
+    with pytest.raises(ValueError) as info:
+        fused_ema.lerp_(*bad, 0.5)
+    assert f"supported (ema, src) pairs: {listed}" in str(info.value)
 
 
 def test_import_without_compiled_kernels_says_how_to_build(tmp_path):

@@ -74,11 +74,12 @@ def test_subclasses_go_through_the_dispatcher(device):
     assert Tagged.seen > 0
 
 
-def test_meta_tensors_go_through_the_fake_kernel():
+def test_meta_tensors_go_through_the_dispatcher_and_are_refused():
     ema = [torch.empty(5, device="meta")]
     src = [torch.empty(5, device="meta")]
     assert _C._lerp_eager(ema, src, 0.5) is False
-    fused_ema.lerp_(ema, src, 0.5)  # handled by the registered fake kernel
+    with pytest.raises(RuntimeError, match="meta tensors hold no data"):
+        fused_ema.lerp_(ema, src, 0.5)  # the Meta kernel (the fake kernel) refuses them
 
 
 def test_fast_path_declines_under_functorch_transforms():

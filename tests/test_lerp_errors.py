@@ -166,7 +166,79 @@ def test_bad_tensor_weight(lerp, device, weight, match):
     assert_rejected(lerp, ema, src, weight.to(device), ValueError, match)
 
 
-@pytest.mark.parametrize("weight", [True, "0.5", None, [0.5]])
+@pytest.mark.parametrize("weight, name", [(True, "bool"), (False, "bool"), (1j, "complex")])
+def test_bool_and_complex_weights_are_refused_on_both_routes(lerp, device, weight, name):
+    # The op's schema keeps the Python type (Scalar), so True is not silently 1.0 on either route.
+    ema, src = good_lists(device)
+    match = rf"weight must be a float or a 0-dim tensor, got {name}"
+    assert_rejected(lerp, ema, src, weight, TypeError, match)
+    with pytest.raises(TypeError, match=match):
+        lerp([], [], weight)
+
+
+@pytest.mark.parametrize("weight", [0, 1, -2, 3])
+def test_int_weights_are_accepted_on_both_routes(lerp, device, weight):
+    ema, src = good_lists(device)
+    expected = [e.clone() for e in ema]
+    torch._foreach_lerp_(expected, src, float(weight))
+    lerp(ema, src, weight)
+    for got, want in zip(ema, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_weight_requiring_grad_under_grad_mode(lerp, device):
+    ema, src = good_lists(device)
+    weight = torch.tensor(0.25, device=device, requires_grad=True)
+    assert_rejected(lerp, ema, src, weight, RuntimeError, r"weight requires grad")
+    expected = [e.clone() for e in ema]
+    torch._foreach_lerp_(expected, src, 0.25)
+    with torch.no_grad():
+        lerp(ema, src, weight)
+    for got, want in zip(ema, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_scalar_overload_takes_no_tensor_weight(requires_grad):
+    # With a `float` schema a 0-dim tensor was coerced through __float__, skipping the tensor
+    # checks (requires grad, dtype); the Scalar schema refuses it.
+    ema, src = good_lists("cpu")
+    weight = torch.tensor(0.5, requires_grad=requires_grad)
+    op = torch.ops.fused_ema.lerp_.default
+    assert_rejected(op, ema, src, weight, RuntimeError, r"Expected a value of type 'number'")
+
+
+META = "meta tensors hold no data"
+
+
+@pytest.mark.parametrize("weight_kind", ["float", "tensor"])
+def test_meta_lists_are_refused(lerp, weight_kind):
+    ema = [torch.empty(5, device="meta"), torch.empty(2, 3, device="meta")]
+    src = [torch.empty(5, device="meta"), torch.empty(2, 3, device="meta")]
+    weight = 0.5 if weight_kind == "float" else torch.tensor(0.5, device="meta")
+    with pytest.raises(RuntimeError, match=META):
+        lerp(ema, src, weight)
+
+
+def test_meta_weight_is_refused(lerp):
+    ema, src = good_lists("cpu")
+    assert_rejected(lerp, ema, src, torch.tensor(0.5, device="meta"), RuntimeError, META)
+    with pytest.raises(RuntimeError, match=META):
+        lerp([], [], torch.tensor(0.5, device="meta"))
+
+
+def test_fake_tensors_still_trace():
+    # FakeTensorMode (what torch.compile traces with) uses the fake kernels, which only refuse
+    # tensors that really are on the meta device.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ema, src = good_lists("cpu")
+        fused_ema.lerp_(ema, src, 0.5)
+        fused_ema.lerp_(ema, src, torch.tensor(0.5))
+
+
+@pytest.mark.parametrize("weight", ["0.5", None, [0.5]])
 def test_weight_of_wrong_type(device, weight):
     ema, src = good_lists(device)
     assert_rejected(fused_ema.lerp_, ema, src, weight, TypeError, "weight must be a float")

@@ -204,6 +204,12 @@ def test_bad_tensors_are_refused(args, error, match):
         assert torch.equal(args["step"], step_before)
 
 
+def test_meta_tensors_are_refused():
+    step, out, cfg = (t.to("meta") for t in tensors("cpu"))
+    with pytest.raises(RuntimeError, match="meta tensors hold no data"):
+        op(step, out, cfg, True)
+
+
 @pytest.mark.parametrize("advance", [False, True])
 def test_opcheck(device, advance):
     step, out, cfg = tensors(device, step=7, config=(0.99, 0.5, 3.0, 0.75, 2, 2))

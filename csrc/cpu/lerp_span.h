@@ -86,12 +86,44 @@ void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, double we
   }
 }
 
-// In PairKind order.
+template <typename Tag>
+struct CpuType;
+template <>
+struct CpuType<tag::f32> {
+  using type = float;
+};
+template <>
+struct CpuType<tag::f64> {
+  using type = double;
+};
+template <>
+struct CpuType<tag::bf16> {
+  using type = c10::BFloat16;
+};
+template <>
+struct CpuType<tag::f16> {
+  using type = c10::Half;
+};
+template <typename Tag>
+using cpu_t = typename CpuType<Tag>::type;
+
+struct SpanEntry {
+  PairKind kind;
+  SpanFn fn;
+};
+
+#define FUSED_EMA_SPAN_ENTRY(kind, ema, src, ema_tag, src_tag) \
+  {PairKind::kind, &lerp_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>},
+constexpr SpanEntry kSpanEntries[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SPAN_ENTRY)};
+#undef FUSED_EMA_SPAN_ENTRY
+static_assert(in_pair_kind_order(kSpanEntries), "span kernels must follow PairKind order");
+
 constexpr SpanKernels make_span_kernels(const char* isa) {
-  return {isa,
-          {&lerp_span<float, float>, &lerp_span<float, c10::BFloat16>, &lerp_span<float, c10::Half>,
-           &lerp_span<c10::BFloat16, c10::BFloat16>, &lerp_span<c10::Half, c10::Half>,
-           &lerp_span<double, double>}};
+  SpanKernels kernels{isa, {}};
+  for (int k = 0; k < kNumPairKinds; ++k) {
+    kernels.fn[k] = kSpanEntries[k].fn;
+  }
+  return kernels;
 }
 
 }  // namespace CPU_CAPABILITY

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "../dtype_pairs.h"
+#include "../dtype_pair_list.h"
 
 namespace fused_ema::cpu {
 

@@ -11,18 +11,23 @@
 
 #include "../lerp_op.h"
 #include "lerp_functor.cuh"
+#include "pair_types.cuh"
 
 namespace fused_ema::cuda {
 namespace {
 
 using Launcher = cudaError_t (*)(const TensorRef*, int64_t, WeightArg, cudaStream_t);
 
-// In PairKind order.
-constexpr std::array<Launcher, kNumPairKinds> kLaunchers = {
-    &launch_lerp<float, float>,   &launch_lerp<float, __nv_bfloat16>,
-    &launch_lerp<float, __half>,  &launch_lerp<__nv_bfloat16, __nv_bfloat16>,
-    &launch_lerp<__half, __half>, &launch_lerp<double, double>,
+struct LauncherEntry {
+  PairKind kind;
+  Launcher launch;
 };
+
+#define FUSED_EMA_LAUNCHER(kind, ema, src, ema_tag, src_tag) \
+  {PairKind::kind, &launch_lerp<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>},
+constexpr LauncherEntry kLaunchers[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_LAUNCHER)};
+#undef FUSED_EMA_LAUNCHER
+static_assert(in_pair_kind_order(kLaunchers), "kLaunchers must follow PairKind order");
 
 WeightArg weight_arg(const LerpWeight& weight) {
   WeightArg arg{weight.value, nullptr, nullptr};
@@ -46,8 +51,8 @@ void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
   const WeightArg arg = weight_arg(weight);
   for (size_t kind = 0; kind < groups.size(); ++kind) {
     if (!groups[kind].empty()) {
-      C10_CUDA_CHECK(kLaunchers[kind](groups[kind].data(),
-                                      static_cast<int64_t>(groups[kind].size()), arg, stream));
+      C10_CUDA_CHECK(kLaunchers[kind].launch(
+          groups[kind].data(), static_cast<int64_t>(groups[kind].size()), arg, stream));
     }
   }
   plan.finish();

@@ -1,21 +1,17 @@
 // Instantiates every CUDA kernel of fused_ema without torch headers, so that tests can check the
 // device code compiles for each target architecture with plain nvcc (see test_cuda_compile.py).
 #include "cuda/lerp_functor.cuh"
+#include "cuda/pair_types.cuh"
 
 namespace fc = fused_ema::cuda;
 
-template cudaError_t fc::launch_lerp<float, float>(const fc::TensorRef*, int64_t, fc::WeightArg,
-                                                   cudaStream_t);
-template cudaError_t fc::launch_lerp<float, __nv_bfloat16>(const fc::TensorRef*, int64_t,
-                                                           fc::WeightArg, cudaStream_t);
-template cudaError_t fc::launch_lerp<float, __half>(const fc::TensorRef*, int64_t, fc::WeightArg,
-                                                    cudaStream_t);
-template cudaError_t fc::launch_lerp<__nv_bfloat16, __nv_bfloat16>(const fc::TensorRef*, int64_t,
-                                                                   fc::WeightArg, cudaStream_t);
-template cudaError_t fc::launch_lerp<__half, __half>(const fc::TensorRef*, int64_t, fc::WeightArg,
-                                                     cudaStream_t);
-template cudaError_t fc::launch_lerp<double, double>(const fc::TensorRef*, int64_t, fc::WeightArg,
-                                                     cudaStream_t);
+// One launcher per dtype pair, from the list every backend derives its tables from.
+#define FUSED_EMA_INSTANTIATE(kind, ema, src, ema_tag, src_tag)                              \
+  template cudaError_t                                                                       \
+  fc::launch_lerp<fc::cuda_t<fused_ema::tag::ema_tag>, fc::cuda_t<fused_ema::tag::src_tag>>( \
+      const fc::TensorRef*, int64_t, fc::WeightArg, cudaStream_t);
+FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE)
+#undef FUSED_EMA_INSTANTIATE
 
 // The schedule formula is shared by host and device (schedule_formula.h); the device reads its
 // config from memory, as csrc/cuda/schedule_cuda.cu does.

@@ -1,0 +1,52 @@
+// The (ema dtype, src dtype) pairs of fused_ema::lerp_, listed once: PairKind, kPairs, the CPU
+// span kernels, the CUDA launchers and _C.DTYPE_PAIRS are all derived from this list. No torch
+// headers, so that plain nvcc can compile the CUDA device code that includes it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+// X(PairKind, ema c10::ScalarType, src c10::ScalarType, ema type tag, src type tag). A tag names
+// a type in fused_ema::tag that each backend maps to its own C++ type (c10::BFloat16 on the CPU,
+// __nv_bfloat16 on CUDA, ...).
+#define FUSED_EMA_FOR_EACH_DTYPE_PAIR(X)       \
+  X(kF32F32, Float, Float, f32, f32)           \
+  X(kF32BF16, Float, BFloat16, f32, bf16)      \
+  X(kF32F16, Float, Half, f32, f16)            \
+  X(kBF16BF16, BFloat16, BFloat16, bf16, bf16) \
+  X(kF16F16, Half, Half, f16, f16)             \
+  X(kF64F64, Double, Double, f64, f64)
+
+namespace fused_ema {
+
+namespace tag {
+struct f32 {};
+struct f64 {};
+struct bf16 {};
+struct f16 {};
+}  // namespace tag
+
+#define FUSED_EMA_PAIR_KIND(kind, ...) kind,
+enum class PairKind : uint8_t { FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_PAIR_KIND) };
+#undef FUSED_EMA_PAIR_KIND
+
+#define FUSED_EMA_PAIR_COUNT(...) +1
+constexpr int kNumPairKinds = 0 FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_PAIR_COUNT);
+#undef FUSED_EMA_PAIR_COUNT
+
+// Tables derived from the list hold each entry's `kind`: true if there is one entry per PairKind,
+// in PairKind order (so that a table can be indexed by kind).
+template <typename Entry, size_t N>
+constexpr bool in_pair_kind_order(const Entry (&table)[N]) {
+  if (N != static_cast<size_t>(kNumPairKinds)) {
+    return false;
+  }
+  for (size_t i = 0; i < N; ++i) {
+    if (static_cast<size_t>(table[i].kind) != i) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace fused_ema
