@@ -33,6 +33,11 @@ PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 TORCH_LIBRARY(fused_ema, m) {
   m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, Scalar weight) -> ()");
   m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
+  // lerp_ with bfloat16/float16 EMAs rounded stochastically (stochastic_round.h): weight and step
+  // are one-element tensors the kernels read; keys and offsets hold one entry per tensor.
+  m.def(
+      "lerp_stochastic_(Tensor(a!)[] ema, Tensor[] src, Tensor weight, Tensor step, int seed, "
+      "int[] keys, int[] offsets) -> ()");
   // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
   // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
   m.def("ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()");

@@ -55,7 +55,10 @@ struct LerpOp {
 
   // coeff = w and base = ema for |w| < 0.5, else coeff = w - 1 and base = src: PyTorch's
   // choice, exact at both ends of [0, 1].
+  using extra_t = void;
+
   struct Bound {
+    static constexpr bool kIndexed = false;
     opmath_t coeff;
     bool small;
     bool skip;  // weight 0 leaves every value as it is: ModelEma's skipped steps touch no memory

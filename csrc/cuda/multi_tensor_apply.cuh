@@ -8,6 +8,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 namespace fused_ema::cuda {
 
@@ -34,18 +35,69 @@ struct TensorRef {
   int64_t numel;
 };
 
+// Bytes of kernel parameters the op itself may take.
+constexpr size_t kOpParamBytes = 256;
+
+// Per-tensor data some ops need besides pointers and sizes (Op::extra_t; void: none). It costs
+// launch capacity, so only such ops' metadata carries it.
+template <typename Extra, int kMax>
+struct PerTensorExtra {
+  Extra extra[kMax];
+};
+template <int kMax>
+struct PerTensorExtra<void, kMax> {};
+
+template <typename Extra>
+constexpr int max_tensors_per_launch() {
+  if constexpr (std::is_void_v<Extra>) {
+    return kMaxTensorsPerLaunch;
+  } else {
+    constexpr size_t kPerTensor =
+        2 * sizeof(void*) + sizeof(int64_t) + sizeof(int32_t) + sizeof(int8_t) + sizeof(Extra);
+    return static_cast<int>((kParamBytes - kOpParamBytes - 2 * sizeof(int64_t)) / kPerTensor);
+  }
+}
+
 // Struct of arrays: the binary search walks first_block alone.
-struct LaunchMeta {
-  void* ema[kMaxTensorsPerLaunch];
-  const void* src[kMaxTensorsPerLaunch];
-  int64_t numel[kMaxTensorsPerLaunch];
-  int32_t first_block[kMaxTensorsPerLaunch + 1];  // [num_tensors] holds the launch's block count
-  int8_t head[kMaxTensorsPerLaunch];  // scalar elements before the 16-byte aligned body; -1: none
+template <typename Extra = void, int kMax = max_tensors_per_launch<Extra>()>
+struct LaunchMeta : PerTensorExtra<Extra, kMax> {
+  static constexpr int kMaxTensors = kMax;
+  void* ema[kMax];
+  const void* src[kMax];
+  int64_t numel[kMax];
+  int32_t first_block[kMax + 1];  // [num_tensors] holds the launch's block count
+  int8_t head[kMax];              // scalar elements before the 16-byte aligned body; -1: none
   int32_t num_tensors;
 };
 
 // The op rides along as a kernel parameter too; keep room for it.
-static_assert(sizeof(LaunchMeta) + 256 <= kParamBytes, "launch metadata exceeds kernel params");
+static_assert(sizeof(LaunchMeta<>) + kOpParamBytes <= kParamBytes,
+              "launch metadata exceeds kernel params");
+
+template <typename Op>
+using MetaOf = LaunchMeta<typename Op::extra_t>;
+
+// Ops without per-tensor data bind once per block from their own fields; others also from the
+// block's tensor entry.
+template <typename Op>
+__device__ auto bind_op(const Op& op, const MetaOf<Op>& meta, int t) {
+  if constexpr (std::is_void_v<typename Op::extra_t>) {
+    return op.bind();
+  } else {
+    return op.bind(meta.extra[t]);
+  }
+}
+
+// A bound op maps (ema, src) to the new ema value; an indexed one (kIndexed) also takes the
+// element's index in its tensor, and updates a whole pack at once (pack()).
+template <typename F, typename E, typename S>
+__device__ E apply_one(const F& f, E e, S s, int64_t i) {
+  if constexpr (F::kIndexed) {
+    return f(e, s, i);
+  } else {
+    return f(e, s);
+  }
+}
 
 // A group of N elements loaded or stored with 16-byte accesses (N * sizeof(T) is 16 or 32).
 template <typename T, int N>
@@ -85,7 +137,8 @@ int64_t blocks_for(int64_t numel, int head) {
   return chunks > 0 ? chunks : 1;
 }
 
-__device__ inline int find_tensor(const LaunchMeta& meta, int32_t block) {
+template <typename Meta>
+__device__ int find_tensor(const Meta& meta, int32_t block) {
   int lo = 0;
   int hi = meta.num_tensors - 1;
   while (lo < hi) {
@@ -103,7 +156,7 @@ __device__ inline int find_tensor(const LaunchMeta& meta, int32_t block) {
 // and says whether this launch may skip its work (read on the device: a device-side weight).
 template <typename Op>
 __global__ void __launch_bounds__(kBlockThreads)
-    multi_tensor_kernel(const __grid_constant__ LaunchMeta meta, const Op op) {
+    multi_tensor_kernel(const __grid_constant__ MetaOf<Op> meta, const Op op) {
   using E = typename Op::ema_t;
   using S = typename Op::src_t;
   constexpr int kPack = Op::kPack;
@@ -114,7 +167,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const S* src = static_cast<const S*>(meta.src[t]);
   const int64_t n = meta.numel[t];
   const int head = meta.head[t];
-  const auto f = op.bind();
+  const auto f = bind_op(op, meta, t);
   if (f.skip) {
     return;
   }
@@ -137,7 +190,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int j = 0; j < kILP; ++j) {
         const int64_t i = base + j * kBlockThreads;
         if (i < end) {
-          ema[i] = f(e[j], s[j]);
+          ema[i] = apply_one(f, e[j], s[j], i);
         }
       }
     }
@@ -164,9 +217,13 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int j = 0; j < kILP; ++j) {
       const int64_t p = base + j * kBlockThreads;
       if (p < end) {
+        if constexpr (std::decay_t<decltype(f)>::kIndexed) {
+          f.pack(e[j], s[j], head + p * kPack);
+        } else {
 #pragma unroll
-        for (int k = 0; k < kPack; ++k) {
-          e[j].v[k] = f(e[j].v[k], s[j].v[k]);
+          for (int k = 0; k < kPack; ++k) {
+            e[j].v[k] = f(e[j].v[k], s[j].v[k]);
+          }
         }
         ema_body[p] = e[j];
       }
@@ -178,18 +235,19 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t scalars = head + (n - tail_begin);
     if (threadIdx.x < scalars) {
       const int64_t i = threadIdx.x < head ? threadIdx.x : tail_begin + (threadIdx.x - head);
-      ema[i] = f(ema[i], src[i]);
+      ema[i] = apply_one(f, ema[i], src[i], i);
     }
   }
 }
 
 // Packs `refs` into as few launches as the metadata allows and launches them on `stream`.
-template <typename Op>
+// `extras` holds each tensor's Op::extra_t, if it has one.
+template <typename Op, typename Extra = typename Op::extra_t>
 cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& op,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, const Extra* extras = nullptr) {
   using E = typename Op::ema_t;
   using S = typename Op::src_t;
-  LaunchMeta meta;
+  MetaOf<Op> meta;
   meta.num_tensors = 0;
   int64_t blocks = 0;
   const auto flush = [&]() -> cudaError_t {
@@ -209,7 +267,7 @@ cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& o
     }
     const int head = aligned_head<E, S, Op::kPack>(ref);
     const int64_t needed = blocks_for<Op::kPack>(ref.numel, head);
-    if (meta.num_tensors == kMaxTensorsPerLaunch || blocks + needed > INT32_MAX) {
+    if (meta.num_tensors == MetaOf<Op>::kMaxTensors || blocks + needed > INT32_MAX) {
       if (const cudaError_t err = flush(); err != cudaSuccess) {
         return err;
       }
@@ -219,6 +277,9 @@ cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& o
     meta.src[slot] = ref.src;
     meta.numel[slot] = ref.numel;
     meta.head[slot] = static_cast<int8_t>(head);
+    if constexpr (!std::is_void_v<Extra>) {
+      meta.extra[slot] = extras[i];
+    }
     meta.first_block[slot] = static_cast<int32_t>(blocks);
     blocks += needed;
   }
