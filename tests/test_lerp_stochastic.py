@@ -232,3 +232,39 @@ def test_compiled_fullgraph_matches_eager():
         want = update(eager, src, weight, step)
         for a, b in zip(got + ema, want + eager):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pair", SR_PAIRS, ids=pair_id)
+def test_cuda_matches_cpu_bit_for_bit(pair):
+    ema, src = make_lists(SIZES, pair, seed=20)
+    gpu_ema, gpu_src = [e.cuda() for e in ema], [s.cuda() for s in src]
+    keys, offsets = [3, 0, 2**32 - 1, 17, 5], [0, 5, 2**33 + 2, 1, 2**34 - 8]
+    fused_ema.lerp_stochastic_(ema, src, 0.3, seed=1, step=2, keys=keys, offsets=offsets)
+    weight, step = torch.tensor(0.3, device="cuda"), torch.tensor(2, device="cuda")
+    fused_ema.lerp_stochastic_(
+        gpu_ema, gpu_src, weight, seed=1, step=step, keys=keys, offsets=offsets
+    )
+    assert_bitwise(ema, [e.cpu() for e in gpu_ema])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_read_the_step_on_the_device():
+    (ema,), (src,) = make_lists([100_003], (torch.bfloat16, torch.bfloat16), seed=21)
+    eager = ema.clone()
+    ema, src = ema.cuda(), src.cuda()
+    step = torch.zeros((), dtype=torch.int64, device="cuda")
+    weight = torch.tensor(1e-3, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm-up off the capture, as CUDA graphs require
+        fused_ema.lerp_stochastic_([ema.clone()], [src], weight, seed=4, step=step)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_ema.lerp_stochastic_([ema], [src], weight, seed=4, step=step)
+        step.add_(1)
+    for t in range(3):
+        graph.replay()
+        fused_ema.lerp_stochastic_([eager], [src.cpu()], 1e-3, seed=4, step=t)
+    torch.cuda.synchronize()
+    assert_bitwise([eager], [ema.cpu()])
