@@ -36,6 +36,17 @@ __device__ inline __half from_sr_bits(uint32_t bits, uint32_t word, __half*) {
   return __ushort_as_half(sr::round_f16(bits, word));
 }
 
+// Word i (0 <= i < 8) of two consecutive groups, by selects rather than a run-time index (which
+// would put the words in local memory).
+__device__ inline uint32_t word_of_two(const sr::Words& a, const sr::Words& b, int i) {
+  uint32_t out = a.w[0];
+#pragma unroll
+  for (int j = 1; j < 2 * sr::kWordsPerCall; ++j) {
+    out = i == j ? (j < sr::kWordsPerCall ? a.w[j] : b.w[j - sr::kWordsPerCall]) : out;
+  }
+  return out;
+}
+
 template <typename E, typename S>
 struct LerpStochasticOp {
   static_assert(std::is_same_v<E, __nv_bfloat16> || std::is_same_v<E, __half>,
@@ -71,24 +82,35 @@ struct LerpStochasticOp {
       return round(e, s, sr::element_word(seed, step, key, offset + static_cast<uint64_t>(i)));
     }
 
+    // A pack whose first element starts a Philox group takes N / 4 calls; one that starts
+    // inside a group (a shard's offset, say) spans one group more.
     template <int N>
     __device__ void pack(Pack<E, N>& e, const Pack<S, N>& s, int64_t first) const {
       const uint64_t element = offset + static_cast<uint64_t>(first);
-      if (element % sr::kWordsPerCall != 0) {
+      const uint64_t group = element / sr::kWordsPerCall;
+      const auto lane = static_cast<int>(element % sr::kWordsPerCall);
+      if (lane == 0) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-          e.v[k] = (*this)(e.v[k], s.v[k], first + k);
+        for (int q = 0; q < N / sr::kWordsPerCall; ++q) {
+          const sr::Words words = sr::group_words(seed, step, key, group + q);
+#pragma unroll
+          for (int l = 0; l < sr::kWordsPerCall; ++l) {
+            const int k = q * sr::kWordsPerCall + l;
+            e.v[k] = round(e.v[k], s.v[k], words.w[l]);
+          }
         }
         return;
       }
+      sr::Words current = sr::group_words(seed, step, key, group);
 #pragma unroll
       for (int q = 0; q < N / sr::kWordsPerCall; ++q) {
-        const sr::Words words = sr::group_words(seed, step, key, element / sr::kWordsPerCall + q);
+        const sr::Words next = sr::group_words(seed, step, key, group + q + 1);
 #pragma unroll
         for (int l = 0; l < sr::kWordsPerCall; ++l) {
           const int k = q * sr::kWordsPerCall + l;
-          e.v[k] = round(e.v[k], s.v[k], words.w[l]);
+          e.v[k] = round(e.v[k], s.v[k], word_of_two(current, next, lane + l));
         }
+        current = next;
       }
     }
   };
