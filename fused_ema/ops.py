@@ -9,7 +9,7 @@ from typing import Union
 
 import torch
 
-from ._dtensor import any_dtensor, shard_lists
+from ._dtensor import any_dtensor, shard_lists, shard_offset
 from ._loader import _C
 from ._version import __version__
 
@@ -76,7 +76,8 @@ def lerp_stochastic_(
     the plain ``lerp_``, so one call serves a whole model. The random bits of element ``e`` of
     tensor ``i`` depend only on ``(seed, step, keys[i], offsets[i] + e)`` (Philox4x32-10), so
     results do not depend on threads, list order, devices or sharding: a shard passes the index
-    of its first element in the full tensor as its offset. ``keys`` default to the list indices,
+    of its first element in the full tensor as its offset (a DTensor sharded by rows, as FSDP2
+    shards, adds its own shard's start). ``keys`` default to the list indices,
     ``offsets`` to 0. ``weight`` is a float or a one-element float32/float64 tensor, ``step`` an
     int or a one-element int64 tensor, each on the EMA's device or the CPU (read by the kernel:
     no host sync, capturable in a CUDA graph). Bad input raises before anything is written.
@@ -97,6 +98,11 @@ def lerp_stochastic_(
         raise TypeError(f"{_SR_OP}seed must be an int, got {_type(seed)}")
     keys = list(range(len(ema))) if keys is None else [int(k) for k in keys]
     offsets = [0] * len(ema) if offsets is None else [int(o) for o in offsets]
+    if any_dtensor(ema) or any_dtensor(src):
+        # A DTensor's elements are numbered in the full tensor: its shard starts further on.
+        if len(offsets) == len(ema):
+            offsets = [o + shard_offset(e, i) for i, (o, e) in enumerate(zip(offsets, ema))]
+        ema, src = shard_lists(ema, src)
     torch.ops.fused_ema.lerp_stochastic_(
         ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
     )

@@ -268,3 +268,40 @@ def test_cuda_graph_replays_read_the_step_on_the_device():
         fused_ema.lerp_stochastic_([eager], [src.cpu()], 1e-3, seed=4, step=t)
     torch.cuda.synchronize()
     assert_bitwise([eager], [ema.cpu()])
+
+
+def test_dtensor_shards_number_their_elements_in_the_full_tensor():
+    """Two ranks of an uneven Shard(0) DTensor (rows 0-3 and 4-6 of 7), run one after the other
+    on a fake process group, together equal the whole tensor updated at once."""
+    dist = pytest.importorskip("torch.distributed")
+    tensor_api = pytest.importorskip("torch.distributed.tensor")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    (full_ema,), (full_src,) = make_lists([21], (torch.bfloat16, torch.bfloat16), seed=22)
+    full_ema, full_src = full_ema.view(7, 3), full_src.view(7, 3)
+    whole = full_ema.clone()
+    fused_ema.lerp_stochastic_([whole], [full_src], 0.1, seed=1, step=2, keys=[5])
+
+    def sharded(t, mesh, placement, shape):
+        return tensor_api.DTensor.from_local(
+            t, mesh, [placement], run_check=False, shape=shape, stride=(shape[1], 1)
+        )
+
+    pieces = []
+    for rank, rows in enumerate([slice(0, 4), slice(4, 7)]):
+        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=2)
+        try:
+            mesh = init_device_mesh("cpu", (2,))
+            ema, src = full_ema[rows].clone(), full_src[rows].clone()
+            rows_ema, rows_src = (sharded(t, mesh, tensor_api.Shard(0), (7, 3)) for t in (ema, src))
+            fused_ema.lerp_stochastic_([rows_ema], [rows_src], 0.1, seed=1, step=2, keys=[5])
+            pieces.append(ema)
+            cols_ema, cols_src = (
+                sharded(t.t().contiguous(), mesh, tensor_api.Shard(1), (3, 7)) for t in (ema, src)
+            )
+            with pytest.raises(ValueError, match=r"needs Shard\(0\)"):
+                fused_ema.lerp_stochastic_([cols_ema], [cols_src], 0.1, seed=1, step=2)
+        finally:
+            dist.destroy_process_group()
+    assert_bitwise([torch.cat(pieces)], [whole])
