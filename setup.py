@@ -37,6 +37,7 @@ CPU_SOURCES = [
     "csrc/python_fast_path.cpp",
     "csrc/python_walk.cpp",
     "csrc/schedule.cpp",
+    "csrc/stochastic_round_testing.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/lerp_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",

@@ -15,7 +15,9 @@
   X(kF32F16, Float, Half, f32, f16)            \
   X(kBF16BF16, BFloat16, BFloat16, bf16, bf16) \
   X(kF16F16, Half, Half, f16, f16)             \
-  X(kF64F64, Double, Double, f64, f64)
+  X(kF64F64, Double, Double, f64, f64)         \
+  X(kBF16F32, BFloat16, Float, bf16, f32)      \
+  X(kF16F32, Half, Float, f16, f32)
 
 namespace fused_ema {
 

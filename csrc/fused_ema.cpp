@@ -32,11 +32,18 @@ PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs)
 PyObject* python_walk_signature(PyObject* module, PyObject* walk);
 PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* python_philox(PyObject* module, PyObject* args);      // stochastic_round_testing.cpp
+PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 }  // namespace fused_ema
 
 TORCH_LIBRARY(fused_ema, m) {
   m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, Scalar weight) -> ()");
   m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
+  // lerp_ with bfloat16/float16 EMAs rounded stochastically (stochastic_round.h): weight and step
+  // are one-element tensors the kernels read; keys and offsets hold one entry per tensor.
+  m.def(
+      "lerp_stochastic_(Tensor(a!)[] ema, Tensor[] src, Tensor weight, Tensor step, int seed, "
+      "int[] keys, int[] offsets) -> ()");
   // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
   // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
   m.def("ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()");
@@ -121,6 +128,11 @@ PyMethodDef kMethods[] = {
      "take(walk: list, indices: tuple[int, ...]) -> list: [walk[i] for i in indices]."},
     {"_cuda_small_params", cuda_small_params, METH_VARARGS,
      "Tests only: force 4 KB CUDA launch parameters (flag), returning the previous setting."},
+    {"_philox", fused_ema::python_philox, METH_VARARGS,
+     "Test only: Philox4x32-10((c0, c1, c2, c3), (k0, k1)) -> 4 words."},
+    {"_stochastic_round", fused_ema::python_stochastic_round, METH_VARARGS,
+     "Test only: (float32 values, 'bfloat16' | 'float16', seed, step, key, offset) -> the "
+     "stochastically rounded tensor."},
     {nullptr, nullptr, 0, nullptr},
 };
 

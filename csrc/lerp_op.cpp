@@ -19,8 +19,17 @@ constexpr const char* kOp = "fused_ema.lerp_: ";
 constexpr auto kNumDeviceTypes =
     static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES);
 
+constexpr const char* kStochasticOp = "fused_ema.lerp_stochastic_: ";
+// Keys are 32 bits of the Philox counter.
+constexpr int64_t kMaxKey = UINT32_MAX;
+
 std::array<DeviceRunner, kNumDeviceTypes>& runners() {
   static std::array<DeviceRunner, kNumDeviceTypes> table{};
+  return table;
+}
+
+std::array<StochasticRunner, kNumDeviceTypes>& stochastic_runners() {
+  static std::array<StochasticRunner, kNumDeviceTypes> table{};
   return table;
 }
 
@@ -32,15 +41,20 @@ std::string join(const std::vector<std::string>& names) {
   return text;
 }
 
+template <typename Runner>
+void check_runner(Runner runner, const DevicePlan& plan, const LerpWeight& weight, const char* op) {
+  TORCH_CHECK(runner != nullptr, op, "no kernel for tensors on ", plan.device,
+              " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
+  TORCH_CHECK(weight.device_tensor == nullptr || weight.device_tensor->device() == plan.device, op,
+              "weight is on ", weight.device_tensor->device(), " but ema tensors are on ",
+              plan.device, "; pass the weight on the EMA's device, on the CPU, or as a float");
+}
+
 void run(TensorRefs ema, TensorRefs src, const LerpWeight& weight) {
   RECORD_FUNCTION("fused_ema::lerp_", std::vector<c10::IValue>());
   for (const DevicePlan& plan : plan_lerp(ema, src)) {
     const DeviceRunner runner = runners()[static_cast<size_t>(plan.device.type())];
-    TORCH_CHECK(runner != nullptr, kOp, "no kernel for tensors on ", plan.device,
-                " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
-    TORCH_CHECK(weight.device_tensor == nullptr || weight.device_tensor->device() == plan.device,
-                kOp, "weight is on ", weight.device_tensor->device(), " but ema tensors are on ",
-                plan.device, "; pass the weight on the EMA's device, on the CPU, or as a float");
+    check_runner(runner, plan, weight, kOp);
     runner(plan, weight);
   }
 }
@@ -86,7 +100,11 @@ void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight) {
   lerp_value(ema, src, weight.toDouble());
 }
 
-void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
+namespace {
+
+// The checks of a tensor weight; a CPU one is read here (one number needs no trip through the
+// dispatcher).
+LerpWeight tensor_weight(const at::Tensor& weight) {
   TORCH_CHECK_VALUE(weight.defined(), kOp, "weight is an undefined tensor");
   TORCH_CHECK_VALUE(weight.numel() == 1 && weight.dim() <= 1, kOp,
                     "a tensor weight must hold one element (a 0-dim tensor), got shape ",
@@ -96,14 +114,86 @@ void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
                     "a tensor weight must be float32 or float64, got ", dtype_name(type));
   TORCH_CHECK(!(weight.requires_grad() && c10::GradMode::is_enabled()), kOp,
               "weight requires grad; the EMA update is not differentiable");
-  if (weight.is_cpu()) {
-    // A CPU scalar is read where it lies: one number needs no trip through the dispatcher.
-    const double value = type == at::kFloat ? static_cast<double>(*weight.const_data_ptr<float>())
-                                            : *weight.const_data_ptr<double>();
-    lerp_value(ema, src, value);
-  } else {
-    run(ema, src, {0.0, &weight});
+  if (!weight.is_cpu()) {
+    return {0.0, &weight};
   }
+  const double value = type == at::kFloat ? static_cast<double>(*weight.const_data_ptr<float>())
+                                          : *weight.const_data_ptr<double>();
+  TORCH_CHECK_VALUE(std::isfinite(value), kOp, "weight must be finite, got ", value);
+  return {value, nullptr};
+}
+
+// The step and the per-tensor arguments of lerp_stochastic_; a CPU step is read here.
+StochasticRounding rounding_args(size_t count, const at::Tensor& step, int64_t seed,
+                                 c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
+  TORCH_CHECK_VALUE(step.defined(), kStochasticOp, "step is an undefined tensor");
+  TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong,
+                    kStochasticOp, "step must be one int64 element (a 0-dim tensor), got ",
+                    dtype_name(step.scalar_type()), " of shape ", step.sizes());
+  TORCH_CHECK_VALUE(keys.size() == count, kStochasticOp, "keys has ", keys.size(),
+                    " entries but ema has ", count, " tensors");
+  TORCH_CHECK_VALUE(offsets.size() == count, kStochasticOp, "offsets has ", offsets.size(),
+                    " entries but ema has ", count, " tensors");
+  for (size_t i = 0; i < count; ++i) {
+    TORCH_CHECK_VALUE(keys[i] >= 0 && keys[i] <= kMaxKey, kStochasticOp, "keys[", i, "] is ",
+                      keys[i], "; keys are 32-bit: 0 <= key <= ", kMaxKey);
+    TORCH_CHECK_VALUE(offsets[i] >= 0, kStochasticOp, "offsets[", i, "] is ", offsets[i],
+                      "; an offset is the index of the tensor's first element, >= 0");
+  }
+  StochasticRounding rounding;
+  rounding.seed = static_cast<uint64_t>(seed);
+  rounding.keys = keys;
+  rounding.offsets = offsets;
+  if (step.is_cpu()) {
+    rounding.step = static_cast<uint64_t>(*step.const_data_ptr<int64_t>());
+  } else {
+    rounding.step_tensor = &step;
+  }
+  return rounding;
+}
+
+}  // namespace
+
+void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
+                     const at::Tensor& step, int64_t seed, c10::ArrayRef<int64_t> keys,
+                     c10::ArrayRef<int64_t> offsets) {
+  RECORD_FUNCTION("fused_ema::lerp_stochastic_", std::vector<c10::IValue>());
+  TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
+                    src.size());
+  const LerpWeight w = tensor_weight(weight);
+  const StochasticRounding rounding = rounding_args(ema.size(), step, seed, keys, offsets);
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK_VALUE(ema[i]->defined(), kOp, "ema[", i, "] is an undefined tensor");
+    TORCH_CHECK_VALUE(offsets[i] <= INT64_MAX - ema[i]->numel(), kStochasticOp, "offsets[", i,
+                      "] + ema[", i, "].numel() overflows int64");
+  }
+  std::vector<DevicePlan> plans = plan_lerp(ema, src, /*row_major=*/true);
+  // Every device is checked before any is written.
+  for (const DevicePlan& plan : plans) {
+    check_runner(stochastic_runners()[static_cast<size_t>(plan.device.type())], plan, w,
+                 kStochasticOp);
+    TORCH_CHECK(rounding.step_tensor == nullptr || rounding.step_tensor->device() == plan.device,
+                kStochasticOp, "step is on ", step.device(), " but ema tensors are on ",
+                plan.device, "; pass the step on the EMA's device, on the CPU, or as an int");
+  }
+  for (const DevicePlan& plan : plans) {
+    stochastic_runners()[static_cast<size_t>(plan.device.type())](plan, w, rounding);
+  }
+}
+
+void lerp_stochastic_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight,
+                        const at::Tensor& step, int64_t seed, at::IntArrayRef keys,
+                        at::IntArrayRef offsets) {
+  lerp_stochastic(refs(ema), refs(src), weight, step, seed, keys, offsets);
+}
+
+bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner) {
+  stochastic_runners()[static_cast<size_t>(type)] = runner;
+  return true;
+}
+
+void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
+  run(ema, src, tensor_weight(weight));
 }
 
 void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight) {
@@ -122,4 +212,5 @@ void lerp_op_tensor_weight(at::TensorList ema, at::TensorList src, const at::Ten
 TORCH_LIBRARY_IMPL(fused_ema, CompositeExplicitAutograd, m) {
   m.impl("lerp_", &fused_ema::lerp_op);
   m.impl("lerp_.Tensor", &fused_ema::lerp_op_tensor_weight);
+  m.impl("lerp_stochastic_", &fused_ema::lerp_stochastic_op);
 }

@@ -7,6 +7,7 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/Scalar.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -33,8 +34,31 @@ std::vector<std::string> devices_with_kernels();
 void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight);
 void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight);
 
+// lerp_stochastic_'s rounding arguments as a runner receives them (../stochastic_round.h).
+struct StochasticRounding {
+  uint64_t seed = 0;
+  uint64_t step = 0;                        // when the step is known on the host
+  const at::Tensor* step_tensor = nullptr;  // else an int64 tensor on the plan's device
+  c10::ArrayRef<int64_t> keys;              // indexed by FlatPair::index
+  c10::ArrayRef<int64_t> offsets;
+};
+
+using StochasticRunner = void (*)(const DevicePlan& plan, const LerpWeight& weight,
+                                  const StochasticRounding& rounding);
+
+bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner);
+
+// lerp_ with bfloat16/float16 EMAs rounded stochastically: keys and offsets hold one entry per
+// tensor (its key, and the index of its first element in the full tensor).
+void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
+                     const at::Tensor& step, int64_t seed, c10::ArrayRef<int64_t> keys,
+                     c10::ArrayRef<int64_t> offsets);
+
 // The signatures the dispatcher calls (schema in fused_ema.cpp).
 void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight);
 void lerp_op_tensor_weight(at::TensorList ema, at::TensorList src, const at::Tensor& weight);
+void lerp_stochastic_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight,
+                        const at::Tensor& step, int64_t seed, at::IntArrayRef keys,
+                        at::IntArrayRef offsets);
 
 }  // namespace fused_ema

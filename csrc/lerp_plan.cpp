@@ -132,20 +132,22 @@ bool dense_pair(const at::Tensor& e, const at::Tensor& s, bool e_contiguous, boo
 }
 
 // A pair whose layouts do not line up: compute through contiguous stand-ins.
-void add_stand_in_pair(DevicePlan& plan, const at::Tensor& e, const at::Tensor& s) {
+void add_stand_in_pair(DevicePlan& plan, const at::Tensor& e, const at::Tensor& s, uint32_t index,
+                       bool row_major) {
   const PairKind kind = *pair_kind(e.scalar_type(), s.scalar_type());
   const int64_t n = e.numel();
-  if (e.is_non_overlapping_and_dense()) {
+  if (row_major ? e.is_contiguous() : e.is_non_overlapping_and_dense()) {
     // A permuted but dense ema is updated where it lies; src is laid out to match it.
     at::Tensor matched = at::empty_strided(e.sizes(), e.strides(), s.options());
     matched.copy_(s);
-    plan.pairs.push_back({e.mutable_data_ptr(), matched.const_data_ptr(), n, kind});
+    plan.pairs.push_back({e.mutable_data_ptr(), matched.const_data_ptr(), n, kind, index});
     plan.stand_ins.push_back(std::move(matched));
   } else {
     // An ema with gaps (a strided slice): compute in a dense copy, then write it back.
     at::Tensor dense_ema = e.contiguous();
     at::Tensor dense_src = s.contiguous();
-    plan.pairs.push_back({dense_ema.mutable_data_ptr(), dense_src.const_data_ptr(), n, kind});
+    plan.pairs.push_back(
+        {dense_ema.mutable_data_ptr(), dense_src.const_data_ptr(), n, kind, index});
     plan.write_backs.emplace_back(e, dense_ema);
     plan.stand_ins.push_back(std::move(dense_src));
   }
@@ -235,10 +237,12 @@ void DevicePlan::finish() const {
   }
 }
 
-std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
+std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major) {
   TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
                     src.size());
   const size_t count = ema.size();
+  TORCH_CHECK_VALUE(count <= UINT32_MAX, kOp, "at most ", UINT32_MAX, " tensors per call, got ",
+                    count);
   std::vector<DeviceWork> work;
   // The first device's buffers come from per-thread pools (most lists live on one device).
   Scratch<Interval, 0> first_ema_ranges;
@@ -283,8 +287,9 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
     const void* s_data = s.const_data_ptr();
     w.ema_ranges.push_back(memory_interval(e, e_data, e_contiguous, index));
     w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
-    if (dense_pair(e, s, e_contiguous, s_contiguous)) {
-      w.plan.pairs.push_back({e_data, s_data, n, *pair_kind(e.scalar_type(), s.scalar_type())});
+    if (dense_pair(e, s, e_contiguous, s_contiguous) && (e_contiguous || !row_major)) {
+      w.plan.pairs.push_back({e_data, s_data, n, *pair_kind(e.scalar_type(), s.scalar_type()),
+                              static_cast<uint32_t>(i)});
     } else {
       w.needs_stand_in.push_back(index);
     }
@@ -302,7 +307,7 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src) {
   plans.reserve(work.size());
   for (DeviceWork& w : work) {
     for (const int64_t i : w.needs_stand_in) {
-      add_stand_in_pair(w.plan, *ema[i], *src[i]);
+      add_stand_in_pair(w.plan, *ema[i], *src[i], static_cast<uint32_t>(i), row_major);
     }
     plans.push_back(std::move(w.plan));
   }

@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>
 
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -23,7 +24,9 @@ struct FlatPair {
   const void* src;
   int64_t numel;
   PairKind kind;
+  uint32_t index;  // in the caller's lists (lerp_stochastic_'s keys and offsets)
 };
+static_assert(sizeof(FlatPair) == 32, "the index fits in the padding");
 
 // The pairs that live on one device. Stand-ins replace non-contiguous tensors and live as long
 // as the plan; write_backs copy results computed in a stand-in into the caller's ema tensor.
@@ -80,6 +83,8 @@ class Scratch {
 
 // Validates lengths, devices, layouts, dtype pairs, shapes, autograd state and memory overlap,
 // naming the index of the first bad pair. Returns one plan per device, in order of appearance.
-std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src);
+// row_major: every span lists its ema's elements in row-major order (lerp_stochastic_ numbers
+// them), so a non-contiguous ema is computed in a contiguous stand-in and written back.
+std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major = false);
 
 }  // namespace fused_ema

@@ -1,6 +1,7 @@
 """fused_ema: fused, device-safe exponential moving averages of PyTorch model weights.
 
 fused_ema.lerp_(ema_tensors, src_tensors, weight)   # ema[i] += weight * (src[i] - ema[i])
+fused_ema.lerp_stochastic_(ema, src, weight, seed=0, step=t)   # bf16/fp16 EMAs: stochastic rounding
 fused_ema.build_info()                              # what was compiled, and for what
 """
 
@@ -8,7 +9,14 @@ from ._loader import _C  # noqa: F401  (must come before the ops that use it)
 from ._version import __version__
 from .ema import LoadResult, ModelEma
 from .errors import CheckpointError, PrecisionWarning, StructureMismatchError
-from .ops import SUPPORTED_DTYPE_PAIRS, build_info, cpu_isa, lerp_, set_cpu_isa
+from .ops import (
+    SUPPORTED_DTYPE_PAIRS,
+    build_info,
+    cpu_isa,
+    lerp_,
+    lerp_stochastic_,
+    set_cpu_isa,
+)
 
 __all__ = [
     "CheckpointError",
@@ -21,5 +29,6 @@ __all__ = [
     "build_info",
     "cpu_isa",
     "lerp_",
+    "lerp_stochastic_",
     "set_cpu_isa",
 ]

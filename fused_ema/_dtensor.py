@@ -99,6 +99,32 @@ def shard_lists(ema: list, src: list) -> tuple[list, list]:
     return ema_local, src_local
 
 
+def shard_offset(t: torch.Tensor, index: int) -> int:
+    """The row-major index, in the full tensor, of the first element of this rank's shard of `t`
+    (0 for a plain or replicated tensor). The shard must be one row-major block of the full
+    tensor (Shard(0), as FSDP2 shards), else there is no such single index."""
+    if not is_dtensor(t):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, start = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    full = tuple(t.shape)
+    cut = [d for d in range(len(full)) if shape[d] != full[d] or start[d] != 0]
+    if not cut or min(shape) == 0:
+        return 0
+    first = cut[0]
+    if any(full[d] != 1 for d in range(first)) or any(d != first for d in cut):
+        raise ValueError(
+            f"fused_ema.lerp_stochastic_: ema[{index}] is sharded as {t.placements} on "
+            f"{t.device_mesh}, so its shard is not one row-major block of the full tensor; "
+            "stochastic rounding of DTensors needs Shard(0) (or Replicate) placements"
+        )
+    inner = 1
+    for size in full[first + 1 :]:
+        inner *= size
+    return int(start[first]) * inner
+
+
 def reshard_fsdp(model) -> None:
     """Puts every FSDP2 module back in its sharded state, dropping unsharded parameters that a
     forward pass left behind (after ema.swapped(), they would hold the EMA's weights)."""

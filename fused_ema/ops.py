@@ -9,7 +9,7 @@ from typing import Union
 
 import torch
 
-from ._dtensor import any_dtensor, shard_lists
+from ._dtensor import any_dtensor, shard_lists, shard_offset
 from ._loader import _C
 from ._version import __version__
 
@@ -53,6 +53,72 @@ def lerp_(
     op(ema, src, weight)
 
 
+_SR_OP = "fused_ema.lerp_stochastic_: "
+_INT64_RANGE = 2**64
+_INT64_MIN = -(2**63)
+
+
+def lerp_stochastic_(
+    ema_tensors: Sequence[torch.Tensor],
+    src_tensors: Sequence[torch.Tensor],
+    weight: Weight,
+    *,
+    seed: int,
+    step: int | torch.Tensor,
+    keys: Sequence[int] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> None:
+    """``lerp_`` with bfloat16/float16 EMAs rounded stochastically, so that updates smaller than
+    half a unit in the last place still move the EMA in expectation.
+
+    Each result is PyTorch's lerp in float, rounded up or down at random with probability
+    proportional to the distance (bfloat16: timm's scheme). float32/float64 EMAs in the lists get
+    the plain ``lerp_``, so one call serves a whole model. The random bits of element ``e`` of
+    tensor ``i`` depend only on ``(seed, step, keys[i], offsets[i] + e)`` (Philox4x32-10), so
+    results do not depend on threads, list order, devices or sharding: a shard passes the index
+    of its first element in the full tensor as its offset (a DTensor sharded by rows, as FSDP2
+    shards, adds its own shard's start). ``keys`` default to the list indices,
+    ``offsets`` to 0. ``weight`` is a float or a one-element float32/float64 tensor, ``step`` an
+    int or a one-element int64 tensor, each on the EMA's device or the CPU (read by the kernel:
+    no host sync, capturable in a CUDA graph). Bad input raises before anything is written.
+    """
+    ema = _tensor_list(ema_tensors, "ema_tensors")
+    src = _tensor_list(src_tensors, "src_tensors")
+    if len(ema) != len(src):
+        raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
+    if isinstance(weight, (bool, complex)) or not isinstance(weight, (float, int, torch.Tensor)):
+        raise TypeError(f"{_SR_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
+    if not isinstance(weight, torch.Tensor):
+        weight = torch.tensor(float(weight), dtype=torch.float64)
+    if isinstance(step, bool) or not isinstance(step, (int, torch.Tensor)):
+        raise TypeError(f"{_SR_OP}step must be an int or a 0-dim int64 tensor, got {_type(step)}")
+    if not isinstance(step, torch.Tensor):
+        step = torch.tensor(_as_int64(step, "step"), dtype=torch.int64)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{_SR_OP}seed must be an int, got {_type(seed)}")
+    keys = list(range(len(ema))) if keys is None else [int(k) for k in keys]
+    offsets = [0] * len(ema) if offsets is None else [int(o) for o in offsets]
+    if any_dtensor(ema) or any_dtensor(src):
+        # A DTensor's elements are numbered in the full tensor: its shard starts further on.
+        if len(offsets) == len(ema):
+            offsets = [o + shard_offset(e, i) for i, (o, e) in enumerate(zip(offsets, ema))]
+        ema, src = shard_lists(ema, src)
+    torch.ops.fused_ema.lerp_stochastic_(
+        ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
+    )
+
+
+def _as_int64(value: int, name: str) -> int:
+    """A 64-bit value given as a signed or unsigned int, as the int64 with the same bits."""
+    if not _INT64_MIN <= value < _INT64_RANGE:
+        raise ValueError(f"{_SR_OP}{name} must fit in 64 bits, got {value}")
+    return value - _INT64_RANGE if value > -_INT64_MIN - 1 else value
+
+
+def _type(value) -> str:
+    return type(value).__name__
+
+
 def _tensor_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"fused_ema.lerp_: {name} must be a sequence of tensors, not a tensor")
@@ -77,6 +143,25 @@ def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: 
     if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
         raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
     _refuse_meta("fused_ema.lerp_: ", [weight])
+
+
+@torch.library.register_fake("fused_ema::lerp_stochastic_")
+def _lerp_stochastic_fake(ema, src, weight, step, seed, keys, offsets) -> None:
+    """The metadata checks of csrc/lerp_op.cpp (lerp_stochastic), with the same messages."""
+    _check_fake(ema, src)
+    if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
+        raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
+    if step.numel() != 1 or step.dim() > 1 or step.dtype != torch.int64:
+        raise ValueError(
+            f"{_SR_OP}step must be one int64 element (a 0-dim tensor), got {_dtype_name(step)} "
+            f"of shape {list(step.shape)}"
+        )
+    for name, values in (("keys", keys), ("offsets", offsets)):
+        if len(values) != len(ema):
+            raise ValueError(
+                f"{_SR_OP}{name} has {len(values)} entries but ema has {len(ema)} tensors"
+            )
+    _refuse_meta(_SR_OP, [weight, step])
 
 
 @torch.library.register_fake("fused_ema::ema_schedule_")

@@ -33,7 +33,8 @@ def test_build_info_cpu_kernel_answers_through_the_dispatcher():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_ema::lerp_", "CPU")
 
 
-# The pairs of the design brief, in the order SUPPORTED_DTYPE_PAIRS has always had.
+# The pairs of the design brief, in the order SUPPORTED_DTYPE_PAIRS has always had, then the
+# half-memory EMAs of a float32 model.
 EXPECTED_PAIRS = (
     ("float32", "float32"),
     ("float32", "bfloat16"),
@@ -41,6 +42,8 @@ EXPECTED_PAIRS = (
     ("bfloat16", "bfloat16"),
     ("float16", "float16"),
     ("float64", "float64"),
+    ("bfloat16", "float32"),
+    ("float16", "float32"),
 )
 
 
@@ -52,7 +55,7 @@ def test_dtype_pairs_come_from_the_compiled_list():
     assert fused_ema.SUPPORTED_DTYPE_PAIRS == expected
     # The C++ error message lists the same pairs, from the same list.
     listed = ", ".join(f"({e}, {s})" for e, s in EXPECTED_PAIRS)
-    bad = [torch.zeros(3, dtype=torch.float16)], [torch.zeros(3, dtype=torch.float32)]
+    bad = [torch.zeros(3, dtype=torch.float16)], [torch.zeros(3, dtype=torch.bfloat16)]
     with pytest.raises(ValueError) as info:
         fused_ema.lerp_(*bad, 0.5)
     assert f"supported (ema, src) pairs: {listed}" in str(info.value)

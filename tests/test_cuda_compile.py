@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+import fused_ema
+
 ROOT = Path(__file__).resolve().parents[1]
 MTA_HEADER = ROOT / "csrc" / "cuda" / "multi_tensor_apply.cuh"
-PAIRS = 6  # dtype pairs, each one multi_tensor_kernel per launch layout
-SMALL, LARGE = "Li120E", "Li1024E"  # the capacity in a kernel's mangled name
+PAIRS = len(fused_ema.SUPPORTED_DTYPE_PAIRS)  # each one lerp kernel per launch layout
+SMALL, LARGE = "Li120E", "Li1024E"  # the capacity in a plain lerp kernel's mangled name
 
 
 def find_nvcc():
@@ -85,6 +87,15 @@ def lerp_kernels(report, arch):
     return {name: info for (a, name), info in report.items() if a == arch and "LerpOp" in name}
 
 
+def all_kernels(report, arch):
+    """The plain and the stochastic-rounding lerp kernels."""
+    return {
+        name: info
+        for (a, name), info in report.items()
+        if a == arch and ("LerpOp" in name or "LerpStochasticOp" in name)
+    }
+
+
 def occupancy(registers, threads):
     """Theoretical occupancy on sm_80/sm_90: 65,536 registers (allocated per warp in units of
     256), 2,048 threads and 32 blocks per SM."""
@@ -137,8 +148,9 @@ def test_the_pre_volta_build_compiles():
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_kernels_reach_half_occupancy_without_spills(arch):
     require_target(arch)
-    kernels = lerp_kernels(compile_kernels((arch,)), arch)
-    assert len(kernels) == 2 * PAIRS, sorted(kernels)
+    kernels = all_kernels(compile_kernels((arch,)), arch)
+    assert len(lerp_kernels(compile_kernels((arch,)), arch)) == 2 * PAIRS, sorted(kernels)
+    assert len(kernels) > 2 * PAIRS, "the stochastic-rounding kernels were not compiled"
     threads = block_threads()
     names = demangle(list(kernels))
     table = {

@@ -70,7 +70,7 @@ def test_integer_and_bool_dtypes(lerp, device, dtype, side):
 @pytest.mark.parametrize(
     "ema_dtype, src_dtype",
     [
-        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float64),
         (torch.float16, torch.bfloat16),
         (torch.float64, torch.float32),
         (torch.float32, torch.float64),

@@ -26,10 +26,13 @@ def make_lists(sizes, pair, device, seed=0):
 
 
 def foreach_expected(ema, src, weight):
-    """torch._foreach_lerp_ on copies; a 16-bit src is upcast first (exact) as it must be."""
-    out = [e.clone() for e in ema]
-    torch._foreach_lerp_(out, [s.to(e.dtype) for e, s in zip(ema, src)], weight)
-    return out
+    """torch._foreach_lerp_ on copies in each pair's wider dtype: a 16-bit src is upcast first
+    (exact); a 16-bit EMA of a float32 src is computed in float32 (the kernels' opmath), then
+    rounded to nearest once."""
+    wide = [torch.promote_types(e.dtype, s.dtype) for e, s in zip(ema, src)]
+    out = [e.to(w, copy=True) for e, w in zip(ema, wide)]
+    torch._foreach_lerp_(out, [s.to(w) for s, w in zip(src, wide)], weight)
+    return [o.to(e.dtype) for o, e in zip(out, ema)]
 
 
 def assert_bitwise(actual, expected):
@@ -51,7 +54,7 @@ def test_matches_float64_reference(device, dtype_pair, weight):
 @pytest.mark.parametrize("weight", WEIGHTS)
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 def test_cpu_bitwise_equal_to_foreach_lerp(pair, weight):
-    # (float32, 16-bit) pairs compare against foreach on the exactly upcast src.
+    # Mixed pairs compare against foreach in the wider dtype (see foreach_expected).
     ema, src = make_lists(SIZES, pair, "cpu", seed=1)
     expected = foreach_expected(ema, src, weight)
     fused_ema.lerp_(ema, src, weight)

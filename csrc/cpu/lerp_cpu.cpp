@@ -21,46 +21,70 @@ constexpr int64_t kGrainSize = 32768;
 // over the heap, and after a long list has been checked none of it is in the cache.
 constexpr size_t kPrefetchPairs = 32;
 
+// Calls span(pair, begin, end) over every pair's elements: one flat range that a single
+// at::parallel_for splits evenly.
+template <typename Span>
+void for_each_span(const std::vector<FlatPair>& pairs, const Span& span) {
+  Scratch<int64_t, 0> offsets_scratch;
+  std::vector<int64_t>& offsets = offsets_scratch.vec;
+  offsets.resize(pairs.size() + 1);
+  offsets[0] = 0;
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    offsets[p + 1] = offsets[p] + pairs[p].numel;
+  }
+  at::parallel_for(0, offsets.back(), kGrainSize, [&](int64_t begin, int64_t end) {
+    auto p = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
+                                 offsets.begin() - 1);
+    for (int64_t pos = begin; pos < end; ++p) {
+      if (p + kPrefetchPairs < pairs.size()) {
+        __builtin_prefetch(pairs[p + kPrefetchPairs].ema, 1);
+        __builtin_prefetch(pairs[p + kPrefetchPairs].src);
+      }
+      const int64_t stop = std::min(end, offsets[p + 1]);
+      span(pairs[p], pos - offsets[p], stop - offsets[p]);
+      pos = stop;
+    }
+  });
+}
+
 void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
   // lerp_op.cpp hands a CPU plan only host weights (a CPU tensor weight is read there).
   TORCH_INTERNAL_ASSERT(weight.device_tensor == nullptr);
-  const std::vector<FlatPair>& pairs = plan.pairs;
   // A zero weight leaves every EMA value as it is (ModelEma's skipped steps): touch no memory.
-  if (!pairs.empty() && weight.value != 0.0) {
+  if (!plan.pairs.empty() && weight.value != 0.0) {
     const SpanKernels& kernels = active_span_kernels();
-    Scratch<int64_t, 0> offsets_scratch;
-    std::vector<int64_t>& offsets = offsets_scratch.vec;
-    offsets.resize(pairs.size() + 1);
-    offsets[0] = 0;
-    for (size_t p = 0; p < pairs.size(); ++p) {
-      offsets[p + 1] = offsets[p] + pairs[p].numel;
-    }
-    at::parallel_for(0, offsets.back(), kGrainSize, [&](int64_t begin, int64_t end) {
-      auto p = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
-                                   offsets.begin() - 1);
-      for (int64_t pos = begin; pos < end; ++p) {
-        if (p + kPrefetchPairs < pairs.size()) {
-          __builtin_prefetch(pairs[p + kPrefetchPairs].ema, 1);
-          __builtin_prefetch(pairs[p + kPrefetchPairs].src);
-        }
-        const FlatPair& pair = pairs[p];
-        const int64_t stop = std::min(end, offsets[p + 1]);
-        kernels.fn[static_cast<int>(pair.kind)](pair.ema, pair.src, pos - offsets[p],
-                                                stop - offsets[p], weight.value);
-        pos = stop;
-      }
+    for_each_span(plan.pairs, [&](const FlatPair& pair, int64_t begin, int64_t end) {
+      kernels.fn[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end, weight.value);
+    });
+  }
+  plan.finish();
+}
+
+void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
+                         const StochasticRounding& rounding) {
+  TORCH_INTERNAL_ASSERT(weight.device_tensor == nullptr && rounding.step_tensor == nullptr);
+  if (!plan.pairs.empty() && weight.value != 0.0) {
+    const SpanKernels& kernels = active_span_kernels();
+    for_each_span(plan.pairs, [&](const FlatPair& pair, int64_t begin, int64_t end) {
+      const SrStream stream{rounding.seed, rounding.step,
+                            static_cast<uint64_t>(rounding.offsets[pair.index]),
+                            static_cast<uint32_t>(rounding.keys[pair.index])};
+      kernels.sr[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end, weight.value, stream);
     });
   }
   plan.finish();
 }
 
 [[maybe_unused]] const bool kRegistered = register_device_runner(c10::DeviceType::CPU, &run_plan);
+[[maybe_unused]] const bool kStochasticRegistered =
+    register_stochastic_runner(c10::DeviceType::CPU, &run_stochastic_plan);
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ema, CPU, m) {
   m.impl("lerp_", &lerp_op);
   m.impl("lerp_.Tensor", &lerp_op_tensor_weight);
+  m.impl("lerp_stochastic_", &lerp_stochastic_op);
 }
 
 }  // namespace fused_ema::cpu

@@ -11,9 +11,23 @@ namespace fused_ema::cpu {
 // Updates ema[begin:end] of one dense pair in place; `weight` is rounded once to the opmath type.
 using SpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, double weight);
 
+// The random stream of one tensor of lerp_stochastic_ (../stochastic_round.h): the span's
+// elements are numbered from `offset` on.
+struct SrStream {
+  uint64_t seed;
+  uint64_t step;
+  uint64_t offset;
+  uint32_t key;
+};
+
+// lerp_stochastic_ on ema[begin:end]: 16-bit EMAs are rounded stochastically, others as SpanFn.
+using SrSpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, double weight,
+                          const SrStream& stream);
+
 struct SpanKernels {
   const char* isa;
-  SpanFn fn[kNumPairKinds];  // indexed by PairKind
+  SpanFn fn[kNumPairKinds];    // indexed by PairKind
+  SrSpanFn sr[kNumPairKinds];  // indexed by PairKind
 };
 
 // Constant-initialised, so reading them runs no code compiled for another instruction set.

@@ -12,6 +12,7 @@
 #include "../lerp_op.h"
 #include "lerp_functor.cuh"
 #include "pair_types.cuh"
+#include "stochastic_functor.cuh"
 
 namespace fused_ema::cuda {
 namespace {
@@ -28,6 +29,22 @@ struct LauncherEntry {
 constexpr LauncherEntry kLaunchers[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_LAUNCHER)};
 #undef FUSED_EMA_LAUNCHER
 static_assert(in_pair_kind_order(kLaunchers), "kLaunchers must follow PairKind order");
+
+using StochasticLauncher = cudaError_t (*)(const TensorRef*, const SrTensor*, int64_t, WeightArg,
+                                           StepArg, uint64_t, cudaStream_t);
+
+struct StochasticLauncherEntry {
+  PairKind kind;
+  StochasticLauncher launch;
+};
+
+#define FUSED_EMA_SR_LAUNCHER(kind, ema, src, ema_tag, src_tag) \
+  {PairKind::kind, &launch_lerp_stochastic<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>},
+constexpr StochasticLauncherEntry kStochasticLaunchers[] = {
+    FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SR_LAUNCHER)};
+#undef FUSED_EMA_SR_LAUNCHER
+static_assert(in_pair_kind_order(kStochasticLaunchers),
+              "kStochasticLaunchers must follow PairKind order");
 
 WeightArg weight_arg(const LerpWeight& weight) {
   WeightArg arg{weight.value, nullptr, nullptr};
@@ -58,7 +75,35 @@ void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
   plan.finish();
 }
 
+void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
+                         const StochasticRounding& rounding) {
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(plan.device.index()).stream();
+  std::array<std::vector<TensorRef>, kNumPairKinds> groups;
+  std::array<std::vector<SrTensor>, kNumPairKinds> extras;
+  for (const FlatPair& pair : plan.pairs) {
+    const auto kind = static_cast<size_t>(pair.kind);
+    groups[kind].push_back({pair.ema, pair.src, pair.numel});
+    extras[kind].push_back({static_cast<uint64_t>(rounding.offsets[pair.index]),
+                            static_cast<uint32_t>(rounding.keys[pair.index])});
+  }
+  const WeightArg arg = weight_arg(weight);
+  const StepArg step{rounding.step, rounding.step_tensor != nullptr
+                                        ? rounding.step_tensor->const_data_ptr<int64_t>()
+                                        : nullptr};
+  for (size_t kind = 0; kind < groups.size(); ++kind) {
+    if (!groups[kind].empty()) {
+      C10_CUDA_CHECK(kStochasticLaunchers[kind].launch(groups[kind].data(), extras[kind].data(),
+                                                       static_cast<int64_t>(groups[kind].size()),
+                                                       arg, step, rounding.seed, stream));
+    }
+  }
+  plan.finish();
+}
+
 [[maybe_unused]] const bool kRegistered = register_device_runner(c10::DeviceType::CUDA, &run_plan);
+[[maybe_unused]] const bool kStochasticRegistered =
+    register_stochastic_runner(c10::DeviceType::CUDA, &run_stochastic_plan);
 
 }  // namespace
 
@@ -81,6 +126,7 @@ bool small_params(int set) {
 TORCH_LIBRARY_IMPL(fused_ema, CUDA, m) {
   m.impl("lerp_", &lerp_op);
   m.impl("lerp_.Tensor", &lerp_op_tensor_weight);
+  m.impl("lerp_stochastic_", &lerp_stochastic_op);
 }
 
 }  // namespace fused_ema::cuda

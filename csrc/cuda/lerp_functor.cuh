@@ -54,12 +54,17 @@ struct LerpOp {
   using src_t = S;
   using opmath_t = typename OpMath<E>::type;
   static constexpr int kPack = 16 / (sizeof(E) < sizeof(S) ? sizeof(E) : sizeof(S));
+  // A 16-bit EMA of a float32 model reads 32-byte source packs: two in flight fit the registers.
+  static constexpr int kIlp = sizeof(S) > sizeof(E) ? 2 : kILP;
 
   WeightArg weight;
 
   // coeff = w and base = ema for |w| < 0.5, else coeff = w - 1 and base = src: PyTorch's
   // choice, exact at both ends of [0, 1].
+  using extra_t = void;
+
   struct Bound {
+    static constexpr bool kIndexed = false;
     opmath_t coeff;
     bool small;
     bool skip;  // weight 0 leaves every value as it is: ModelEma's skipped steps touch no memory

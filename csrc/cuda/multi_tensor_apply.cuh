@@ -11,13 +11,15 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace fused_ema::cuda {
 
 constexpr int kBlockThreads = 512;
 // Two resident blocks per SM at least: caps registers at 64 a thread (50% occupancy).
 constexpr int kMinBlocksPerSM = 2;
-// Independent pack loads in flight per thread, to cover memory latency.
+// Independent pack loads in flight per thread, to cover memory latency (Op::kIlp: ops whose
+// packs take more registers keep fewer in flight, to stay within kMinBlocksPerSM).
 constexpr int kILP = 4;
 // Elements per block: a multiple of every pack width times kBlockThreads * kILP.
 constexpr int64_t kChunkElems = 65536;
@@ -60,9 +62,32 @@ struct TensorRef {
   int64_t numel;
 };
 
-// Struct of arrays: the binary search walks first_block alone.
+// Per-tensor data some ops need besides pointers and sizes (Op::extra_t; void: none). It costs
+// launch capacity, so only such ops' metadata carries it.
+template <typename Extra, int kCapacity>
+struct PerTensorExtra {
+  Extra extra[kCapacity];
+};
 template <int kCapacity>
-struct LaunchMeta {
+struct PerTensorExtra<void, kCapacity> {};
+
+// Tensors a launch of `kParamBytes` of parameters carries: the fixed capacities for ops without
+// per-tensor data, fewer for ops with some.
+template <typename Extra, size_t kParamBytes>
+constexpr int capacity_for() {
+  if constexpr (std::is_void_v<Extra>) {
+    return kParamBytes == kSmallParamBytes ? kSmallCapacity : kLargeCapacity;
+  } else {
+    constexpr size_t kPerTensor =
+        2 * sizeof(void*) + sizeof(int64_t) + sizeof(int32_t) + sizeof(int8_t) + sizeof(Extra);
+    return static_cast<int>((kParamBytes - kOpParamRoom - 2 * sizeof(int64_t)) / kPerTensor);
+  }
+}
+
+// Struct of arrays: the binary search walks first_block alone.
+template <int kCapacity, typename Extra = void>
+struct LaunchMeta : PerTensorExtra<Extra, kCapacity> {
+  static constexpr int kMaxTensors = kCapacity;
   void* ema[kCapacity];
   const void* src[kCapacity];
   int64_t numel[kCapacity];
@@ -126,8 +151,8 @@ struct BlockWork {
   int64_t tail_begin;
 };
 
-template <int kPack, int kCapacity>
-__host__ __device__ inline BlockWork block_work(const LaunchMeta<kCapacity>& meta, int32_t block) {
+template <int kPack, typename Meta>
+__host__ __device__ inline BlockWork block_work(const Meta& meta, int32_t block) {
   int lo = 0;
   int hi = meta.num_tensors - 1;
   while (lo < hi) {
@@ -157,32 +182,58 @@ __host__ __device__ inline BlockWork block_work(const LaunchMeta<kCapacity>& met
   return w;
 }
 
-// Op supplies ema_t, src_t, kPack and bind(), whose result maps (ema, src) to the new ema value
-// and says whether this launch may skip its work (read on the device: a device-side weight).
+template <typename Op, int kCapacity>
+using MetaOf = LaunchMeta<kCapacity, typename Op::extra_t>;
+
+// Ops without per-tensor data bind from their own fields; others also from the block's tensor.
+template <typename Op, typename Meta>
+__device__ auto bind_op(const Op& op, const Meta& meta, int t) {
+  if constexpr (std::is_void_v<typename Op::extra_t>) {
+    return op.bind();
+  } else {
+    return op.bind(meta.extra[t]);
+  }
+}
+
+// A bound op maps (ema, src) to the new ema value; an indexed one (kIndexed) also takes the
+// element's index in its tensor, and updates a whole pack at once (pack()).
+template <typename F, typename E, typename S>
+__device__ E apply_one(const F& f, E e, S s, int64_t i) {
+  if constexpr (F::kIndexed) {
+    return f(e, s, i);
+  } else {
+    return f(e, s);
+  }
+}
+
+// Op supplies ema_t, src_t, extra_t, kPack and bind(), whose result maps (ema, src) to the new
+// ema value and says whether this launch may skip its work (read on the device: a device-side
+// weight).
 template <typename Op, int kCapacity>
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
-    multi_tensor_kernel(const FUSED_EMA_GRID_CONSTANT LaunchMeta<kCapacity> meta, const Op op) {
+    multi_tensor_kernel(const FUSED_EMA_GRID_CONSTANT MetaOf<Op, kCapacity> meta, const Op op) {
   using E = typename Op::ema_t;
   using S = typename Op::src_t;
   constexpr int kPack = Op::kPack;
-  const auto f = op.bind();
+  constexpr int kIlp = Op::kIlp;
+  const BlockWork w = block_work<kPack>(meta, static_cast<int32_t>(blockIdx.x));
+  const auto f = bind_op(op, meta, w.tensor);
   if (f.skip) {
     return;
   }
-  const BlockWork w = block_work<kPack>(meta, static_cast<int32_t>(blockIdx.x));
   E* ema = static_cast<E*>(meta.ema[w.tensor]);
   const S* src = static_cast<const S*>(meta.src[w.tensor]);
 
-  // Offsets within a chunk fit in 32 bits, so the kILP accesses share one base address.
+  // Offsets within a chunk fit in 32 bits, so the kIlp accesses share one base address.
   const int count = static_cast<int>(w.end - w.begin);
   if (w.head < 0) {
     E* ema_chunk = ema + w.begin;
     const S* src_chunk = src + w.begin;
-    for (int base = threadIdx.x; base < count; base += kBlockThreads * kILP) {
-      E e[kILP];
-      S s[kILP];
+    for (int base = threadIdx.x; base < count; base += kBlockThreads * kIlp) {
+      E e[kIlp];
+      S s[kIlp];
 #pragma unroll
-      for (int j = 0; j < kILP; ++j) {
+      for (int j = 0; j < kIlp; ++j) {
         const int i = base + j * kBlockThreads;
         if (i < count) {
           e[j] = ema_chunk[i];
@@ -190,10 +241,10 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
         }
       }
 #pragma unroll
-      for (int j = 0; j < kILP; ++j) {
+      for (int j = 0; j < kIlp; ++j) {
         const int i = base + j * kBlockThreads;
         if (i < count) {
-          ema_chunk[i] = f(e[j], s[j]);
+          ema_chunk[i] = apply_one(f, e[j], s[j], w.begin + i);
         }
       }
     }
@@ -202,11 +253,11 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
 
   auto* ema_chunk = reinterpret_cast<Pack<E, kPack>*>(ema + w.head) + w.begin;
   const auto* src_chunk = reinterpret_cast<const Pack<S, kPack>*>(src + w.head) + w.begin;
-  for (int base = threadIdx.x; base < count; base += kBlockThreads * kILP) {
-    Pack<E, kPack> e[kILP];
-    Pack<S, kPack> s[kILP];
+  for (int base = threadIdx.x; base < count; base += kBlockThreads * kIlp) {
+    Pack<E, kPack> e[kIlp];
+    Pack<S, kPack> s[kIlp];
 #pragma unroll
-    for (int j = 0; j < kILP; ++j) {
+    for (int j = 0; j < kIlp; ++j) {
       const int p = base + j * kBlockThreads;
       if (p < count) {
         e[j] = ema_chunk[p];
@@ -214,12 +265,16 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
       }
     }
 #pragma unroll
-    for (int j = 0; j < kILP; ++j) {
+    for (int j = 0; j < kIlp; ++j) {
       const int p = base + j * kBlockThreads;
       if (p < count) {
+        if constexpr (std::decay_t<decltype(f)>::kIndexed) {
+          f.pack(e[j], s[j], w.head + (w.begin + p) * kPack);
+        } else {
 #pragma unroll
-        for (int k = 0; k < kPack; ++k) {
-          e[j].v[k] = f(e[j].v[k], s[j].v[k]);
+          for (int k = 0; k < kPack; ++k) {
+            e[j].v[k] = f(e[j].v[k], s[j].v[k]);
+          }
         }
         ema_chunk[p] = e[j];
       }
@@ -228,15 +283,16 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
   // The unaligned head and the tail shorter than a pack: fewer than 2 * kPack elements.
   if (threadIdx.x < w.scalars) {
     const int64_t i = threadIdx.x < w.head ? threadIdx.x : w.tail_begin + (threadIdx.x - w.head);
-    ema[i] = f(ema[i], src[i]);
+    ema[i] = apply_one(f, ema[i], src[i], i);
   }
 }
 
 // Packs `refs` into launches of up to kCapacity tensors and INT32_MAX blocks and hands each to
-// `launch(meta, blocks)`, stopping at its first error. Host only; tests drive it directly.
-template <typename E, typename S, int kPack, int kCapacity, typename Launch>
-cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapacity>& meta,
-                          Launch&& launch) {
+// `launch(meta, blocks)`, stopping at its first error. `extras` holds each tensor's per-tensor
+// data where the metadata has some. Host only; tests drive it directly.
+template <typename E, typename S, int kPack, int kCapacity, typename Extra, typename Launch>
+cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapacity, Extra>& meta,
+                          Launch&& launch, const Extra* extras = nullptr) {
   meta.num_tensors = 0;
   int64_t blocks = 0;
   const auto flush = [&]() -> cudaError_t {
@@ -244,7 +300,8 @@ cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapa
       return cudaSuccess;
     }
     meta.first_block[meta.num_tensors] = static_cast<int32_t>(blocks);
-    const cudaError_t err = launch(static_cast<const LaunchMeta<kCapacity>&>(meta), blocks);
+    const cudaError_t err =
+        launch(static_cast<const LaunchMeta<kCapacity, Extra>&>(meta), blocks);
     meta.num_tensors = 0;
     blocks = 0;
     return err;
@@ -269,6 +326,9 @@ cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapa
     meta.src[slot] = ref.src;
     meta.numel[slot] = ref.numel;
     meta.head[slot] = static_cast<int8_t>(head);
+    if constexpr (!std::is_void_v<Extra>) {
+      meta.extra[slot] = extras[i];
+    }
     meta.first_block[slot] = static_cast<int32_t>(blocks);
     blocks += needed;
   }
@@ -338,31 +398,38 @@ inline cudaError_t use_large_params(cudaStream_t stream, bool* large) {
   return large_params_supported(device, large);
 }
 
-template <typename Op, int kCapacity>
-cudaError_t launch_packed(const TensorRef* refs, int64_t count, const Op& op, cudaStream_t stream) {
-  LaunchMeta<kCapacity> meta;
+template <typename Op, size_t kParamBytes, typename Extra>
+cudaError_t launch_packed(const TensorRef* refs, int64_t count, const Op& op, cudaStream_t stream,
+                          const Extra* extras) {
+  constexpr int kCapacity = capacity_for<typename Op::extra_t, kParamBytes>();
+  static_assert(sizeof(MetaOf<Op, kCapacity>) + kOpParamRoom <= kParamBytes,
+                "launch metadata exceeds the kernel parameters");
+  MetaOf<Op, kCapacity> meta;
   return pack_launches<typename Op::ema_t, typename Op::src_t, Op::kPack>(
-      refs, count, meta, [&](const LaunchMeta<kCapacity>& packed, int64_t blocks) {
+      refs, count, meta,
+      [&](const MetaOf<Op, kCapacity>& packed, int64_t blocks) {
         multi_tensor_kernel<Op, kCapacity>
             <<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(packed, op);
         return cudaGetLastError();
-      });
+      },
+      extras);
 }
 
 // Updates every tensor of `refs` in as few launches as the device's parameter space allows.
-template <typename Op>
+// `extras` holds each tensor's Op::extra_t, if it has one.
+template <typename Op, typename Extra = typename Op::extra_t>
 cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& op,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, const Extra* extras = nullptr) {
   if constexpr (kLargeParamsCompiled) {
     bool large = false;
     if (const cudaError_t err = use_large_params(stream, &large); err != cudaSuccess) {
       return err;
     }
     if (large) {
-      return launch_packed<Op, kLargeCapacity>(refs, count, op, stream);
+      return launch_packed<Op, kLargeParamBytes>(refs, count, op, stream, extras);
     }
   }
-  return launch_packed<Op, kSmallCapacity>(refs, count, op, stream);
+  return launch_packed<Op, kSmallParamBytes>(refs, count, op, stream, extras);
 }
 
 }  // namespace fused_ema::cuda

@@ -2,6 +2,7 @@
 // device code compiles for each target architecture with plain nvcc (see test_cuda_compile.py).
 #include "cuda/lerp_functor.cuh"
 #include "cuda/pair_types.cuh"
+#include "cuda/stochastic_functor.cuh"
 
 namespace fc = fused_ema::cuda;
 
@@ -12,6 +13,15 @@ namespace fc = fused_ema::cuda;
       const fc::TensorRef*, int64_t, fc::WeightArg, cudaStream_t);
 FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE)
 #undef FUSED_EMA_INSTANTIATE
+
+// lerp_stochastic_'s launchers (stochastic rounding for 16-bit EMAs, the plain lerp otherwise).
+#define FUSED_EMA_INSTANTIATE_SR(kind, ema, src, ema_tag, src_tag)                              \
+  template cudaError_t fc::launch_lerp_stochastic<fc::cuda_t<fused_ema::tag::ema_tag>,          \
+                                                  fc::cuda_t<fused_ema::tag::src_tag>>(         \
+      const fc::TensorRef*, const fc::SrTensor*, int64_t, fc::WeightArg, fc::StepArg, uint64_t, \
+      cudaStream_t);
+FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE_SR)
+#undef FUSED_EMA_INSTANTIATE_SR
 
 // The schedule formula is shared by host and device (schedule_formula.h); the device reads its
 // config from memory, as csrc/cuda/schedule_cuda.cu does.

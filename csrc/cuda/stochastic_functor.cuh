@@ -1,0 +1,134 @@
+// The functor of fused_ema::lerp_stochastic_ for multi_tensor_apply: LerpOp's lerp in float, then
+// the stochastic rounding of ../stochastic_round.h into a bfloat16/float16 EMA, bit for bit as on
+// the CPU. One Philox call serves 4 consecutive elements. No torch headers (nvcc-only tests).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "../stochastic_round.h"
+#include "lerp_functor.cuh"
+
+namespace fused_ema::cuda {
+
+// Per tensor: its Philox key and the index of its first element in the full tensor.
+struct SrTensor {
+  uint64_t offset;
+  uint32_t key;
+};
+
+// A host-known step, or a device pointer the kernel reads (no sync, CUDA-graph capturable).
+struct StepArg {
+  uint64_t value;
+  const int64_t* device;
+
+  __device__ uint64_t read() const {
+    return device != nullptr ? static_cast<uint64_t>(*device) : value;
+  }
+};
+
+__device__ inline __nv_bfloat16 from_sr_bits(uint32_t bits, uint32_t word, __nv_bfloat16*) {
+  return __ushort_as_bfloat16(sr::round_bf16(bits, word));
+}
+__device__ inline __half from_sr_bits(uint32_t bits, uint32_t word, __half*) {
+  return __ushort_as_half(sr::round_f16(bits, word));
+}
+
+// Word i (0 <= i < 8) of two consecutive groups, by selects rather than a run-time index (which
+// would put the words in local memory).
+__device__ inline uint32_t word_of_two(const sr::Words& a, const sr::Words& b, int i) {
+  uint32_t out = a.w[0];
+#pragma unroll
+  for (int j = 1; j < 2 * sr::kWordsPerCall; ++j) {
+    out = i == j ? (j < sr::kWordsPerCall ? a.w[j] : b.w[j - sr::kWordsPerCall]) : out;
+  }
+  return out;
+}
+
+template <typename E, typename S>
+struct LerpStochasticOp {
+  static_assert(std::is_same_v<E, __nv_bfloat16> || std::is_same_v<E, __half>,
+                "stochastic rounding is for 16-bit EMAs");
+  using ema_t = E;
+  using src_t = S;
+  using extra_t = SrTensor;
+  static constexpr int kPack = LerpOp<E, S>::kPack;
+  // Philox's state per pack leaves room for one pack in flight within 64 registers.
+  static constexpr int kIlp = 1;
+  static_assert(kPack % sr::kWordsPerCall == 0, "a pack holds whole Philox groups");
+
+  WeightArg weight;
+  StepArg step;
+  uint64_t seed;
+
+  struct Bound {
+    static constexpr bool kIndexed = true;
+    float coeff;
+    bool small;
+    bool skip;  // weight 0: as LerpOp, touch no memory
+    uint64_t seed;
+    uint64_t step;
+    uint64_t offset;
+    uint32_t key;
+
+    __device__ E round(E e_in, S s_in, uint32_t word) const {
+      const float e = to_opmath(e_in);
+      const float s = to_opmath(s_in);
+      const float r = fmaf(coeff, s - e, small ? e : s);
+      return from_sr_bits(__float_as_uint(r), word, static_cast<E*>(nullptr));
+    }
+
+    __device__ E operator()(E e, S s, int64_t i) const {
+      return round(e, s, sr::element_word(seed, step, key, offset + static_cast<uint64_t>(i)));
+    }
+
+    // A pack whose first element starts a Philox group takes N / 4 calls.
+    template <int N>
+    __device__ void pack(Pack<E, N>& e, const Pack<S, N>& s, int64_t first) const {
+      const uint64_t element = offset + static_cast<uint64_t>(first);
+      const uint64_t group = element / sr::kWordsPerCall;
+      const auto lane = static_cast<int>(element % sr::kWordsPerCall);
+      if (lane == 0) {
+#pragma unroll
+        for (int q = 0; q < N / sr::kWordsPerCall; ++q) {
+          const sr::Words words = sr::group_words(seed, step, key, group + q);
+#pragma unroll
+          for (int l = 0; l < sr::kWordsPerCall; ++l) {
+            const int k = q * sr::kWordsPerCall + l;
+            e.v[k] = round(e.v[k], s.v[k], words.w[l]);
+          }
+        }
+        return;
+      }
+      // Rare (a shard whose offset is not a multiple of 4): one Philox call per element keeps
+      // the registers within the occupancy target.
+#pragma unroll 1
+      for (int k = 0; k < N; ++k) {
+        e.v[k] = (*this)(e.v[k], s.v[k], first + k);
+      }
+    }
+  };
+
+  __device__ Bound bind(const SrTensor& tensor) const {
+    const auto w = static_cast<float>(weight.read());
+    const bool small = fabsf(w) < 0.5f;
+    return {small ? w : w - 1.0f, small, w == 0.0f, seed, step.read(), tensor.offset, tensor.key};
+  }
+};
+
+// Stochastic rounding for 16-bit EMAs; float32/float64 EMAs get the plain lerp.
+template <typename E, typename S>
+cudaError_t launch_lerp_stochastic(const TensorRef* refs, const SrTensor* extras, int64_t count,
+                                   WeightArg weight, StepArg step, uint64_t seed,
+                                   cudaStream_t stream) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16> || std::is_same_v<E, __half>) {
+    return multi_tensor_apply(refs, count, LerpStochasticOp<E, S>{weight, step, seed}, stream,
+                              extras);
+  } else {
+    return launch_lerp<E, S>(refs, count, weight, stream);
+  }
+}
+
+}  // namespace fused_ema::cuda
