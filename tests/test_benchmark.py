@@ -98,3 +98,44 @@ def test_training_loop_benchmark_runs(tmp_path):
     assert variants["no EMA"]["vs_no_ema"] == 1.0
     assert variants["EMA on the model's device"]["median_ms"] > 0
     assert list(tmp_path.glob("training_loop_*.json"))
+
+
+def test_accuracy_benchmark_runs_at_tiny_size(tmp_path):
+    from benchmarks import accuracy, peers
+
+    record = accuracy.main(
+        [
+            "--steps", "40",
+            "--elements", "3000",
+            "--mlp-width", "16",
+            "--replicas", "4",
+            "--replica-elements", "256",
+            "--stall-window", "20",
+            "--points", "10",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md", ".png"]
+    assert all(p.name.startswith("accuracy_") for p in tmp_path.iterdir())
+    assert [c["case"] for c in record["cases"]] == ["drift", "mlp"]
+    for case in record["cases"]:
+        assert [d["decay"] for d in case["decays"]] == [0.999, 0.9999]
+        for entry in case["decays"]:
+            rows = entry["methods"]
+            fp32, nearest = rows[accuracy.FP32], rows[accuracy.NEAREST]
+            # a float32 EMA is exact to float32 rounding; bf16 round-to-nearest is far off
+            assert fp32["rel_rms"] < 1e-5 < nearest["rel_rms"]
+            assert 0 <= nearest["stalled_fraction"] <= 1 and fp32["stalled_fraction"] == 0
+            assert len(fp32["curve"]) >= 10
+            for method, reason in (
+                (accuracy.FUSED_SR, peers.fused_stochastic_missing()),
+                (accuracy.TIMM_SR, peers.timm_missing(stochastic_rounding=True)),
+            ):
+                row = rows[method]
+                if reason:  # the stochastic rows say why they are missing, never pass silently
+                    assert reason in row["status"]
+                else:
+                    assert row["status"] == "ok" and row["replicas"] == 4
+                    assert row["replica_elements"] == 256 and "replica_bias_ulp" in row
+    if peers.fused_stochastic_missing():
+        assert "pending" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
