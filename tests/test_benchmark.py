@@ -139,3 +139,33 @@ def test_accuracy_benchmark_runs_at_tiny_size(tmp_path):
                     assert row["replica_elements"] == 256 and "replica_bias_ulp" in row
     if peers.fused_stochastic_missing():
         assert "pending" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+
+
+def test_stochastic_contenders_skip_until_their_api_exists():
+    from benchmarks import peers
+
+    status = {
+        contenders.FusedStochastic: peers.fused_stochastic_missing(),
+        contenders.ModelEmaStochastic: peers.model_ema_stochastic_missing(),
+        contenders.TimmModelEmaV3Stochastic: peers.timm_missing(stochastic_rounding=True),
+    }
+    for cls, reason in status.items():
+        assert cls.stochastic_rounding
+        if reason:
+            assert reason in cls.unavailable()
+        else:
+            assert cls.unavailable() is None
+        assert cls.applies(None, torch.float32).startswith("n/a")
+
+
+def test_stochastic_check_rejects_round_to_nearest():
+    model = models.randomize_(torch.nn.Sequential(torch.nn.Linear(512, 512)))
+    model.to(torch.bfloat16)
+
+    class NearestPosingAsStochastic(contenders.FusedOp):
+        name = "nearest"
+        stochastic_rounding = True
+
+    contender = NearestPosingAsStochastic(model, 0.999, torch.bfloat16, None)
+    contender.prime()
+    assert "not stochastic rounding" in bench.check(contender, model, seed=3)
