@@ -158,6 +158,8 @@ def run_scenario(sc: Scenario, device: str, args, on_round) -> dict:
             problem = check(contender, model, seed=100 + k)
         except Exception as err:  # a library failing on this scenario is a result
             problem = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        if problem and problem.startswith("wrong") and getattr(contender, "note", ""):
+            problem = f"{problem} ({contender.note})"
         if problem:
             result["status"] = problem
         else:

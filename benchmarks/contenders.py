@@ -26,6 +26,7 @@ class Contender:
     name = ""
     package = ""  # an optional import; missing means "not installed"
     stochastic_rounding = False  # rounds a 16-bit EMA stochastically (and is checked for it)
+    note = ""  # appended to a failed check: what the library is known to do here
 
     def __init__(self, model: nn.Module, decay: float, ema_dtype: torch.dtype, ema_device):
         self.model, self.decay = model, decay
@@ -278,6 +279,9 @@ class TimmModelEmaV3(Contender):
         options = {"dtype": ema_dtype, "stochastic_rounding": self.stochastic_rounding}
         options = {k: v for k, v in options.items() if k in keywords}
         self.averager = model_ema.ModelEmaV3(model, decay=decay, device=ema_device, **options)
+        pointers = [v.data_ptr() for v in model.state_dict().values()]
+        if len(set(pointers)) < len(pointers):
+            self.note = "timm lerps a tied weight once per state_dict name: twice a step"
         if "dtype" not in options:  # timm before 1.0.31
             self.averager.module.to(ema_dtype)
 

@@ -4,6 +4,7 @@ thing is caught by the correctness check and not timed."""
 
 import json
 
+import pytest
 import torch
 
 from benchmarks import bench, contenders, models
@@ -169,3 +170,24 @@ def test_stochastic_check_rejects_round_to_nearest():
     contender = NearestPosingAsStochastic(model, 0.999, torch.bfloat16, None)
     contender.prime()
     assert "not stochastic rounding" in bench.check(contender, model, seed=3)
+
+
+def test_timm_contender_is_the_real_class_and_checked():
+    from benchmarks import peers
+
+    reason = peers.timm_missing()
+    if reason:
+        pytest.skip(reason)
+    model = models.randomize_(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+    timm = contenders.TimmModelEmaV3(model, 0.999, torch.float32, None)
+    assert type(timm.averager) is peers.load_timm_model_ema().ModelEmaV3
+    timm.prime()
+    assert bench.check(timm, model, seed=1) is None
+    # timm pairs state_dict entries by position: a tied weight is averaged twice a step
+    tied = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50, bias=False))
+    tied[1].weight = tied[0].weight
+    models.randomize_(tied)
+    contender = contenders.TimmModelEmaV3(tied, 0.999, torch.float32, None)
+    contender.prime()
+    assert bench.check(contender, tied, seed=2).startswith("wrong")
+    assert "twice a step" in contender.note
