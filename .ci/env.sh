@@ -21,7 +21,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 
 # Tools and libraries that never pull in another torch (the EMA peers are pure Python and are
-# installed without their dependencies, torch being the only one).
+# installed without their dependencies, so pip never resolves or replaces torch).
 fused_ema_requirements="setuptools>=64 wheel ninja pytest hypothesis numpy matplotlib tqdm"
 if ! python -c "import ninja, pytest, hypothesis, numpy, matplotlib, tqdm" >/dev/null 2>&1; then
   fused_ema_log "installing build, test and benchmark tools"
@@ -32,6 +32,15 @@ if ! python -c "import ema_pytorch, torch_ema" >/dev/null 2>&1; then
   fused_ema_log "installing the EMA libraries compared against (ema-pytorch, torch-ema)"
   python -m pip install -q --no-deps ema-pytorch torch-ema \
     || fused_ema_log "could not install ema-pytorch/torch-ema: those comparisons will be skipped"
+fi
+# timm is compared through one file, timm/utils/model_ema.py, loaded on its own (benchmarks/peers.py):
+# importing the timm package would import torchvision, which has no CPU build for every torch.
+fused_ema_timm=1.0.31
+if [ "$(python -c 'import importlib.metadata as m; print(m.version("timm"))' 2>/dev/null)" \
+    != "$fused_ema_timm" ]; then
+  fused_ema_log "installing timm==$fused_ema_timm without its dependencies (ModelEmaV3 is compared)"
+  python -m pip install -q --no-deps "timm==$fused_ema_timm" \
+    || fused_ema_log "could not install timm==$fused_ema_timm: the timm comparisons will be skipped"
 fi
 
 fused_ema_stamp() {

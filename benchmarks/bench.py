@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from . import contenders as contenders_module
 from . import models, report
+from .accuracy import ulp
 from .timing import copy_bandwidth, interleaved, summary, synchronizer
 
 DECAY = 0.999
@@ -33,6 +34,17 @@ class Scenario:
     ema_dtype: torch.dtype = torch.float32
     ema_device: str | None = None  # None: with the model
     gpu_only: bool = False
+    contenders: tuple[str, ...] | None = None  # None: all; else only these (the rest are n/a)
+    compare_to: str | None = None  # also report each stochastic contender's speed against this
+
+
+STOCHASTIC = (
+    contenders_module.ForeachLerp.name,  # round to nearest: the baseline of the "vs foreach" column
+    contenders_module.FusedOp.name,  # round to nearest
+    contenders_module.FusedStochastic.name,
+    contenders_module.ModelEmaStochastic.name,
+    contenders_module.TimmModelEmaV3Stochastic.name,
+)
 
 
 SCENARIOS = [
@@ -49,6 +61,15 @@ SCENARIOS = [
         ema_device="cpu",
         gpu_only=True,
     ),
+    Scenario(
+        "vit_bf16_sr",
+        "bf16 EMA (SR) of bf16 ViT-B/16",
+        models.ViTB16,
+        torch.bfloat16,
+        torch.bfloat16,
+        contenders=STOCHASTIC,
+        compare_to=contenders_module.TimmModelEmaV3Stochastic.name,
+    ),
 ]
 
 
@@ -59,7 +80,9 @@ def param_bytes(model, ema_dtype) -> int:
 
 
 def check(contender, model, seed) -> str | None:
-    """One update checked against a float64 reference on a sample of tensors; None if right."""
+    """One update checked against a float64 reference on a sample of tensors; None if right.
+    A stochastically rounding contender must also move sub-half-ulp updates by their expected
+    amount (round to nearest leaves them where they are)."""
     models.perturb_(model, seed)
     names = [n for n, _ in model.named_parameters()]
     sample = names[:: max(1, len(names) // 12)] + names[-1:]
@@ -69,6 +92,7 @@ def check(contender, model, seed) -> str | None:
     target = {n: params[n].detach().to("cpu", torch.float64) for n in sample}
     contender.step()
     after = contender.ema()
+    moved = expected = 0.0
     for n in sample:
         got = after[n].detach()
         if got.dtype != contender.ema_dtype:
@@ -78,6 +102,23 @@ def check(contender, model, seed) -> str | None:
         bound = 4 * torch.finfo(got.dtype).eps * (before[n].abs() + target[n].abs()) + 1e-30
         if bool((err > bound).any()):
             return f"wrong: {n} off by up to {float(err.max()):.2e}"
+        if contender.stochastic_rounding:
+            unit = ulp(before[n], got.dtype)
+            delta = ref - before[n]
+            small = (delta.abs() < unit / 2) & (before[n] != 0)
+            step = (got.to("cpu", torch.float64) - before[n])[small] / unit[small]
+            moved += float((step * delta[small].sign()).sum())
+            expected += float((delta[small].abs() / unit[small]).sum())
+    if contender.stochastic_rounding:
+        # each sub-half-ulp element moves one ulp with probability |delta| / ulp: the sum is
+        # `expected` within a few sqrt(expected); round to nearest moves none
+        if expected < 1000:
+            return f"unchecked: too few sub-half-ulp updates to test rounding ({expected:.0f})"
+        if abs(moved / expected - 1) > 0.2:
+            return (
+                f"wrong: not stochastic rounding (sub-half-ulp updates moved {moved / expected:.2f}"
+                " of their expected amount, want 1)"
+            )
     return None
 
 
@@ -100,8 +141,12 @@ def run_scenario(sc: Scenario, device: str, args, on_round) -> dict:
     for k, cls in enumerate(contenders_module.ALL):
         result = {"name": cls.name, "status": "ok"}
         results[cls.name] = result
-        if not cls.available():
-            result["status"] = f"skipped: {cls.package} not installed"
+        if sc.contenders is not None and cls.name not in sc.contenders:
+            result["status"] = "n/a: not in this scenario"
+            continue
+        reason = cls.unavailable()
+        if reason:
+            result["status"] = reason
             continue
         reason = cls.applies(model, sc.ema_dtype)
         if reason:
@@ -113,6 +158,8 @@ def run_scenario(sc: Scenario, device: str, args, on_round) -> dict:
             problem = check(contender, model, seed=100 + k)
         except Exception as err:  # a library failing on this scenario is a result
             problem = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        if problem and problem.startswith("wrong") and getattr(contender, "note", ""):
+            problem = f"{problem} ({contender.note})"
         if problem:
             result["status"] = problem
         else:
@@ -130,6 +177,20 @@ def run_scenario(sc: Scenario, device: str, args, on_round) -> dict:
     for result in entry["contenders"]:
         if baseline and "median_ms" in result:
             result["vs_foreach"] = baseline / result["median_ms"]
+    if sc.compare_to:
+        reference = results.get(sc.compare_to, {})
+        entry["compare_to"] = sc.compare_to
+        entry["vs_compare_to"] = {}
+        for cls in contenders_module.ALL:
+            result = results[cls.name]
+            if not cls.stochastic_rounding or cls.name == sc.compare_to:
+                continue
+            if "median_ms" in result and "median_ms" in reference:
+                entry["vs_compare_to"][cls.name] = reference["median_ms"] / result["median_ms"]
+            else:  # why there is no ratio: its status, or the reference's
+                entry["vs_compare_to"][cls.name] = (
+                    result["status"] if result["status"] != "ok" else reference.get("status")
+                )
     del steps, model
     gc.collect()
     return entry

@@ -12,24 +12,37 @@ import copy
 import ctypes
 import ctypes.util
 import importlib.util
+import inspect
 
 import torch
 from torch import nn
 
 import fused_ema
 
+from . import peers
+
 
 class Contender:
     name = ""
     package = ""  # an optional import; missing means "not installed"
+    stochastic_rounding = False  # rounds a 16-bit EMA stochastically (and is checked for it)
+    note = ""  # appended to a failed check: what the library is known to do here
 
     def __init__(self, model: nn.Module, decay: float, ema_dtype: torch.dtype, ema_device):
         self.model, self.decay = model, decay
         self.ema_dtype, self.ema_device = ema_dtype, ema_device
 
     @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this contender cannot run at all here (a library not installed, an API not yet
+        written), or None."""
+        if cls.package and importlib.util.find_spec(cls.package) is None:
+            return f"skipped: {cls.package} not installed"
+        return None
+
+    @classmethod
     def available(cls) -> bool:
-        return not cls.package or importlib.util.find_spec(cls.package) is not None
+        return cls.unavailable() is None
 
     @classmethod
     def applies(cls, model: nn.Module, ema_dtype: torch.dtype) -> str | None:
@@ -158,7 +171,14 @@ class ModelEmaUpdate(Contender):
 
     def __init__(self, model, decay, ema_dtype, ema_device):
         super().__init__(model, decay, ema_dtype, ema_device)
-        self.averager = fused_ema.ModelEma(model, decay, device=ema_device, dtype=ema_dtype)
+        options = {}
+        if "stochastic_rounding" in inspect.signature(fused_ema.ModelEma).parameters:
+            options = {"stochastic_rounding": self.stochastic_rounding}
+            if self.stochastic_rounding:
+                options["stochastic_rounding_seed"] = 0
+        self.averager = fused_ema.ModelEma(
+            model, decay, device=ema_device, dtype=ema_dtype, **options
+        )
 
     def step(self):
         self.averager.update(self.model)
@@ -238,21 +258,98 @@ class TorchEma(Contender):
 
 
 class TimmModelEmaV3(Contender):
+    """The installed timm's real ModelEmaV3, loaded from timm/utils/model_ema.py alone
+    (benchmarks/peers.py: `import timm` would import torchvision). Configured as its users
+    would: dtype= for the EMA dtype (an fp32 EMA of a bf16 model takes its mul_ + add_ path),
+    stochastic rounding off except in the stochastic contender below. timm pairs state_dict
+    entries by position, so a tied weight (listed twice) is averaged twice a step: the
+    correctness check reports that for the tied-embedding LM."""
+
     name = "timm ModelEmaV3"
-    package = "timm"
+
+    @classmethod
+    def unavailable(cls):
+        reason = peers.timm_missing(stochastic_rounding=cls.stochastic_rounding)
+        return f"skipped: {reason}" if reason else None
 
     def __init__(self, model, decay, ema_dtype, ema_device):
         super().__init__(model, decay, ema_dtype, ema_device)
-        from timm.utils import ModelEmaV3
-
-        self.averager = ModelEmaV3(model, decay=decay, device=ema_device)
-        self.averager.module.to(ema_dtype)
+        model_ema = peers.load_timm_model_ema()
+        keywords = inspect.signature(model_ema.ModelEmaV3).parameters
+        options = {"dtype": ema_dtype, "stochastic_rounding": self.stochastic_rounding}
+        options = {k: v for k, v in options.items() if k in keywords}
+        self.averager = model_ema.ModelEmaV3(model, decay=decay, device=ema_device, **options)
+        pointers = [v.data_ptr() for v in model.state_dict().values()]
+        if len(set(pointers)) < len(pointers):
+            self.note = "timm lerps a tied weight once per state_dict name: twice a step"
+        if "dtype" not in options:  # timm before 1.0.31
+            self.averager.module.to(ema_dtype)
 
     def step(self):
         self.averager.update(self.model)  # no step: timm's constant-decay path
 
     def ema(self):
         return dict(self.averager.module.named_parameters())
+
+
+def _not_16_bit(ema_dtype) -> str | None:
+    if ema_dtype not in (torch.bfloat16, torch.float16):
+        return "n/a: stochastic rounding is for bf16/fp16 EMAs"
+    return None
+
+
+class TimmModelEmaV3Stochastic(TimmModelEmaV3):
+    """timm 1.0.31's default for a bf16 EMA: `_lerp_stochastic_round_bf16_` (float32 update,
+    random low bits from torch.randint, truncation), in chunks of 4M elements."""
+
+    name = "timm ModelEmaV3 SR"
+    stochastic_rounding = True
+
+    @classmethod
+    def applies(cls, model, ema_dtype):
+        return None if ema_dtype == torch.bfloat16 else "n/a: timm rounds only bf16 stochastically"
+
+
+class FusedStochastic(_Lists):
+    """The planned fused op: lerp in float32, stochastic rounding to the EMA dtype with random
+    bits from Philox keyed by (seed, step, element index, tensor key)."""
+
+    name = "fused_ema.lerp_stochastic_"
+    stochastic_rounding = True
+
+    @classmethod
+    def unavailable(cls):
+        reason = peers.fused_stochastic_missing()
+        return f"skipped: {reason}" if reason else None
+
+    @classmethod
+    def applies(cls, model, ema_dtype):
+        return _not_16_bit(ema_dtype)
+
+    def __init__(self, model, decay, ema_dtype, ema_device):
+        super().__init__(model, decay, ema_dtype, ema_device)
+        self.t = 0
+
+    def step(self):
+        self.t += 1
+        fused_ema.lerp_stochastic_(self.ema_list, self.src, 1.0 - self.decay, seed=0, step=self.t)
+
+
+class ModelEmaStochastic(ModelEmaUpdate):
+    """ModelEma(model, decay, dtype=torch.bfloat16, stochastic_rounding=True,
+    stochastic_rounding_seed=0), once ModelEma has those keywords."""
+
+    name = "fused_ema.ModelEma SR"
+    stochastic_rounding = True
+
+    @classmethod
+    def unavailable(cls):
+        reason = peers.model_ema_stochastic_missing()
+        return f"skipped: {reason}" if reason else None
+
+    @classmethod
+    def applies(cls, model, ema_dtype):
+        return _not_16_bit(ema_dtype)
 
 
 ALL = [
@@ -265,5 +362,8 @@ ALL = [
     EmaPytorch,
     TorchEma,
     TimmModelEmaV3,
+    FusedStochastic,
+    ModelEmaStochastic,
+    TimmModelEmaV3Stochastic,
 ]
 BASELINE = ForeachLerp.name

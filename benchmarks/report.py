@@ -46,7 +46,7 @@ def slug(info: dict) -> str:
 
 def table(record: dict) -> str:
     header = (
-        f"{'scenario':32} {'contender':22} {'median ms':>10} {'p25-p75 ms':>15} "
+        f"{'scenario':32} {'contender':26} {'median ms':>10} {'p25-p75 ms':>15} "
         f"{'GB/s':>7} {'% copy':>7} {'vs foreach':>10}"
     )
     lines = [header, "-" * len(header)]
@@ -55,14 +55,20 @@ def table(record: dict) -> str:
             if c["status"].startswith("n/a"):
                 continue
             if c["status"] != "ok":
-                lines.append(f"{sc['title'][:32]:32} {c['name'][:22]:22} {c['status'][:70]}")
+                lines.append(f"{sc['title'][:32]:32} {c['name'][:26]:26} {c['status'][:90]}")
                 continue
             spread = f"{c['p25_ms']:.2f}-{c['p75_ms']:.2f}"
             ratio = f"{c['vs_foreach']:.2f}x" if c.get("vs_foreach") else "-"
             lines.append(
-                f"{sc['title'][:32]:32} {c['name'][:22]:22} {c['median_ms']:10.2f} {spread:>15} "
+                f"{sc['title'][:32]:32} {c['name'][:26]:26} {c['median_ms']:10.2f} {spread:>15} "
                 f"{c['gbps']:7.1f} {c['pct_copy_bw']:6.0f}% {ratio:>10}"
             )
+        if sc.get("compare_to"):
+            parts = [
+                f"{name} {v:.2f}x" if isinstance(v, float) else f"{name} {v}"
+                for name, v in sc["vs_compare_to"].items()
+            ]
+            lines.append(f"  speed vs {sc['compare_to']}: " + "; ".join(parts))
         lines.append("")
     bw = record["copy_bandwidth_gbps"]
     lines.append(

@@ -4,6 +4,7 @@ thing is caught by the correctness check and not timed."""
 
 import json
 
+import pytest
 import torch
 
 from benchmarks import bench, contenders, models
@@ -110,3 +111,95 @@ def test_overhead_benchmark_runs(tmp_path):
     for row in record["rows"]:
         assert all(row[name]["ns_per_tensor"] > 0 for name in overhead.CONTENDERS)
     assert sorted(p.suffix for p in tmp_path.glob("overhead_*")) == [".json", ".md"]
+
+
+def test_accuracy_benchmark_runs_at_tiny_size(tmp_path):
+    from benchmarks import accuracy, peers
+
+    record = accuracy.main(
+        [
+            "--steps", "40",
+            "--elements", "3000",
+            "--mlp-width", "16",
+            "--replicas", "4",
+            "--replica-elements", "256",
+            "--stall-window", "20",
+            "--points", "10",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md", ".png"]
+    assert all(p.name.startswith("accuracy_") for p in tmp_path.iterdir())
+    assert [c["case"] for c in record["cases"]] == ["drift", "mlp"]
+    for case in record["cases"]:
+        assert [d["decay"] for d in case["decays"]] == [0.999, 0.9999]
+        for entry in case["decays"]:
+            rows = entry["methods"]
+            fp32, nearest = rows[accuracy.FP32], rows[accuracy.NEAREST]
+            # a float32 EMA is exact to float32 rounding; bf16 round-to-nearest is far off
+            assert fp32["rel_rms"] < 1e-5 < nearest["rel_rms"]
+            assert 0 <= nearest["stalled_fraction"] <= 1 and fp32["stalled_fraction"] == 0
+            assert len(fp32["curve"]) >= 10
+            for method, reason in (
+                (accuracy.FUSED_SR, peers.fused_stochastic_missing()),
+                (accuracy.TIMM_SR, peers.timm_missing(stochastic_rounding=True)),
+            ):
+                row = rows[method]
+                if reason:  # the stochastic rows say why they are missing, never pass silently
+                    assert reason in row["status"]
+                else:
+                    assert row["status"] == "ok" and row["replicas"] == 4
+                    assert row["replica_elements"] == 256 and "replica_bias_ulp" in row
+    if peers.fused_stochastic_missing():
+        assert "pending" in (tmp_path / next(tmp_path.glob("*.md")).name).read_text()
+
+
+def test_stochastic_contenders_skip_until_their_api_exists():
+    from benchmarks import peers
+
+    status = {
+        contenders.FusedStochastic: peers.fused_stochastic_missing(),
+        contenders.ModelEmaStochastic: peers.model_ema_stochastic_missing(),
+        contenders.TimmModelEmaV3Stochastic: peers.timm_missing(stochastic_rounding=True),
+    }
+    for cls, reason in status.items():
+        assert cls.stochastic_rounding
+        if reason:
+            assert reason in cls.unavailable()
+        else:
+            assert cls.unavailable() is None
+        assert cls.applies(None, torch.float32).startswith("n/a")
+
+
+def test_stochastic_check_rejects_round_to_nearest():
+    model = models.randomize_(torch.nn.Sequential(torch.nn.Linear(512, 512)))
+    model.to(torch.bfloat16)
+
+    class NearestPosingAsStochastic(contenders.FusedOp):
+        name = "nearest"
+        stochastic_rounding = True
+
+    contender = NearestPosingAsStochastic(model, 0.999, torch.bfloat16, None)
+    contender.prime()
+    assert "not stochastic rounding" in bench.check(contender, model, seed=3)
+
+
+def test_timm_contender_is_the_real_class_and_checked():
+    from benchmarks import peers
+
+    reason = peers.timm_missing()
+    if reason:
+        pytest.skip(reason)
+    model = models.randomize_(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+    timm = contenders.TimmModelEmaV3(model, 0.999, torch.float32, None)
+    assert type(timm.averager) is peers.load_timm_model_ema().ModelEmaV3
+    timm.prime()
+    assert bench.check(timm, model, seed=1) is None
+    # timm pairs state_dict entries by position: a tied weight is averaged twice a step
+    tied = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50, bias=False))
+    tied[1].weight = tied[0].weight
+    models.randomize_(tied)
+    contender = contenders.TimmModelEmaV3(tied, 0.999, torch.float32, None)
+    contender.prime()
+    assert bench.check(contender, tied, seed=2).startswith("wrong")
+    assert "twice a step" in contender.note

@@ -1,60 +1,41 @@
 """ModelEma equals the EMA libraries it replaces, over 200 training steps with their schedules:
-an independent implementation of timm ModelEmaV3's documented update (bit for bit), torch's own
+the installed timm's real ModelEmaV3 (bit for bit where both compute a lerp), torch's own
 AveragedModel with get_ema_multi_avg_fn (bit for bit) and the installed ema-pytorch (which rounds
-its decay to float32, hence a float32 tolerance)."""
+its decay to float32, hence a float32 tolerance).
 
-import copy
+timm is loaded from its one file timm/utils/model_ema.py (benchmarks/peers.py), never with
+`import timm`, which imports torchvision; without timm installed those tests skip and say so."""
+
+import inspect
+import sys
 
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import fused_ema
+from benchmarks import peers as peer_access
 from ema_helpers import TiedNet, small_mlp, train_step
+from peers import require, timm_model_ema
 
 STEPS = 200
 
 
-class TimmModelEmaV3Reference:
-    """timm.utils.model_ema.ModelEmaV3, rewritten from its documented behaviour: a deepcopy,
-    get_decay(step) with optional warmup, lerp of floating state entries paired by position,
-    copy of the others. Decays in Python float64, as timm does."""
+def round_to_nearest():
+    """ModelEma keywords for a plain (round-to-nearest) bf16 EMA, once ModelEma has the
+    stochastic_rounding keyword (its default is True, as in timm 1.0.31)."""
+    if "stochastic_rounding" in inspect.signature(fused_ema.ModelEma).parameters:
+        return {"stochastic_rounding": False}
+    return {}
 
-    def __init__(
-        self,
-        model,
-        decay,
-        min_decay=0.0,
-        update_after_step=0,
-        use_warmup=False,
-        warmup_gamma=1.0,
-        warmup_power=2 / 3,
-    ):
-        self.module = copy.deepcopy(model).eval()
-        self.decay, self.min_decay = decay, min_decay
-        self.update_after_step, self.use_warmup = update_after_step, use_warmup
-        self.warmup_gamma, self.warmup_power = warmup_gamma, warmup_power
 
-    def get_decay(self, step):
-        step = max(0, step - self.update_after_step - 1)
-        if step <= 0:
-            return 0.0
-        if self.use_warmup:
-            decay = 1 - (1 + step / self.warmup_gamma) ** -self.warmup_power
-            return max(min(decay, self.decay), self.min_decay)
-        return self.decay
-
-    @torch.no_grad()
-    def update(self, model, step):
-        decay = self.get_decay(step)
-        ema_lerp, model_lerp = [], []
-        for ema_v, model_v in zip(self.module.state_dict().values(), model.state_dict().values()):
-            if ema_v.is_floating_point():
-                ema_lerp.append(ema_v)
-                model_lerp.append(model_v)
-            else:
-                ema_v.copy_(model_v)
-        torch._foreach_lerp_(ema_lerp, model_lerp, weight=1.0 - decay)
+def train_both(model, ours, theirs, seed, steps=STEPS, lr=1e-2):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):  # timm's train.py passes the 1-based update count
+        train_step(model, optimizer, g)
+        theirs.update(model, step=step)
+        ours.update(model, step=step)
 
 
 def assert_same_state(ema: fused_ema.ModelEma, reference_state: dict, exact=True, rtol=0.0):
@@ -70,37 +51,122 @@ def assert_same_state(ema: fused_ema.ModelEma, reference_state: dict, exact=True
             )
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        dict(decay=0.999, use_warmup=True, update_after_step=0),
-        dict(
-            decay=0.99,
-            use_warmup=True,
-            warmup_gamma=2.0,
-            warmup_power=0.75,
-            min_decay=0.2,
-            update_after_step=7,
-        ),
-        dict(decay=0.95, use_warmup=False, update_after_step=3),
-    ],
-    ids=["warmup", "warmup-delayed", "constant"],
-)
+TIMM_SETTINGS = {
+    "warmup": dict(decay=0.999, use_warmup=True, update_after_step=0),
+    "warmup-delayed": dict(
+        decay=0.99,
+        use_warmup=True,
+        warmup_gamma=2.0,
+        warmup_power=0.75,
+        min_decay=0.2,
+        update_after_step=7,
+    ),
+    "constant": dict(decay=0.95, use_warmup=False, update_after_step=3),
+    "exclude-buffers": dict(decay=0.99, use_warmup=True, exclude_buffers=True),
+}
+
+
+def test_timm_is_loaded_without_its_package():
+    module = timm_model_ema()
+    assert "timm" not in sys.modules and "torchvision" not in sys.modules
+    assert peer_access.load_timm_model_ema() is module  # loaded once
+    assert peer_access.timm_version() == peer_access.TIMM_VERSION, "not the timm env.sh pins"
+
+
+@pytest.mark.parametrize("settings", TIMM_SETTINGS.values(), ids=TIMM_SETTINGS.keys())
 def test_equals_timm_model_ema_v3(settings):
+    timm = timm_model_ema()
     torch.manual_seed(0)
     model = small_mlp()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = TimmModelEmaV3Reference(model, **settings)
-    # timm's own keyword spellings work unchanged
-    ema = fused_ema.ModelEma(model, **settings)
-    g = torch.Generator().manual_seed(1)
-    for step in range(1, STEPS + 1):  # timm's train.py passes the 1-based update count
+    theirs = timm.ModelEmaV3(model, **settings)
+    ours = fused_ema.ModelEma(model, **settings)  # timm's own keyword spellings work unchanged
+    train_both(model, ours, theirs, seed=1)
+    assert ours.step == STEPS
+    assert ours.current_decay == theirs.get_decay(STEPS)
+    # fp32 model and EMA: timm's torch._foreach_lerp_ and the fused kernel round identically;
+    # buffers included (averaged, or copied with exclude_buffers, num_batches_tracked copied)
+    assert_same_state(ours, theirs.module.state_dict())
+
+
+def test_bf16_ema_equals_timm_round_to_nearest():
+    # A bf16 EMA of a bf16 model with timm's stochastic rounding off: both lerp bf16 into bf16,
+    # rounding to nearest. timm's dtype=None keeps the model's dtype, where fused_ema's would
+    # pick float32, so the EMA dtype is given explicitly.
+    timm = timm_model_ema()
+    torch.manual_seed(8)
+    model = small_mlp(dtype=torch.bfloat16)
+    settings = dict(decay=0.99, use_warmup=True, warmup_power=0.75)
+    theirs = timm.ModelEmaV3(model, **settings, stochastic_rounding=False)
+    ours = fused_ema.ModelEma(model, **settings, dtype=torch.bfloat16, **round_to_nearest())
+    train_both(model, ours, theirs, seed=9, lr=3e-2)
+    assert theirs.module[0].weight.dtype == torch.bfloat16
+    assert_same_state(ours, theirs.module.state_dict())
+
+
+def test_fp32_ema_of_bf16_model_matches_timm_to_float_rounding():
+    # timm's mixed-dtype path is not a lerp: torch._foreach_lerp_ needs equal dtypes, so it runs
+    # ema.mul_(1 - w).add_(model, alpha=w), with 1 - w and w each rounded to float32, where the
+    # fused kernel computes ema + w * (model - ema) with one float32 w (PyTorch's lerp). The two
+    # differ by a few float32 roundings per step, which the EMA's contraction keeps from growing
+    # step after step: after 200 steps they differ by at most 3.3 float32 epsilons of each
+    # tensor's largest entry (measured); the bound is 16.
+    timm = timm_model_ema()
+    torch.manual_seed(10)
+    model = small_mlp(dtype=torch.bfloat16)
+    settings = dict(decay=0.99, use_warmup=True, warmup_power=0.75)
+    theirs = timm.ModelEmaV3(model, **settings, dtype=torch.float32)
+    ours = fused_ema.ModelEma(model, **settings, dtype=torch.float32)
+    train_both(model, ours, theirs, seed=11, lr=3e-2)
+    assert theirs.module[0].weight.dtype == torch.float32
+    weights = ours.state_dict()["weights"]
+    eps = torch.finfo(torch.float32).eps
+    for name, expected in theirs.module.state_dict().items():
+        got = weights[name]
+        if not expected.is_floating_point():
+            assert torch.equal(got, expected), name
+            continue
+        assert got.dtype == torch.float32, name
+        bound = 16 * eps * float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=0, atol=bound, msg=f"{name}: off")
+
+
+def test_bf16_stochastic_rounding_tracks_like_timm():
+    # Stochastic rounding draws different random bits (timm: torch.randint from a CPU generator;
+    # fused_ema: Philox keyed by seed, step and element), so the two agree in distribution only:
+    # each stays as close to the exact float64 EMA as the other, where round-to-nearest stalls.
+    timm = timm_model_ema()
+    require(peer_access.timm_missing(stochastic_rounding=True))
+    require(peer_access.model_ema_stochastic_missing())
+    torch.manual_seed(12)
+    model = small_mlp(dtype=torch.bfloat16)
+    theirs = timm.ModelEmaV3(model, decay=0.999, stochastic_rounding=True)
+    ours = fused_ema.ModelEma(
+        model,
+        decay=0.999,
+        dtype=torch.bfloat16,
+        stochastic_rounding=True,
+        stochastic_rounding_seed=0,
+    )
+    nearest = timm.ModelEmaV3(model, decay=0.999, stochastic_rounding=False)
+    exact = {k: v.double() for k, v in model.state_dict().items() if v.is_floating_point()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    g = torch.Generator().manual_seed(13)
+    for step in range(1, STEPS + 1):
         train_step(model, optimizer, g)
-        reference.update(model, step)
-        ema.update(model, step=step)
-    assert ema.step == STEPS
-    assert ema.current_decay == reference.get_decay(STEPS)
-    assert_same_state(ema, reference.module.state_dict())
+        for ema in (theirs, ours, nearest):
+            ema.update(model, step=step)
+        w = 1.0 - theirs.get_decay(step)
+        for k, v in exact.items():
+            v.lerp_(model.state_dict()[k].double(), w)
+
+    def error(state):
+        return sum(float((state[k].double() - v).square().sum()) for k, v in exact.items()) ** 0.5
+
+    ours_err = error(ours.state_dict()["weights"])
+    theirs_err = error(theirs.module.state_dict())
+    nearest_err = error(nearest.module.state_dict())
+    assert ours_err < 1.5 * theirs_err + 1e-3, (ours_err, theirs_err)
+    assert theirs_err < nearest_err and ours_err < nearest_err, (ours_err, nearest_err)
 
 
 def test_equals_averaged_model_with_ema_multi_avg_fn():

@@ -1,0 +1,20 @@
+"""The compared libraries for the tests: benchmarks/peers.py loads them (one implementation);
+here each missing one becomes a pytest skip that says why, never a silent pass."""
+
+import pytest
+
+from benchmarks import peers
+
+
+def timm_model_ema():
+    """The real `timm.utils.model_ema` module (loaded without `import timm`), or skip."""
+    try:
+        return peers.load_timm_model_ema()
+    except peers.PeerUnavailable as err:
+        pytest.skip(str(err))
+
+
+def require(reason):
+    """Skip with `reason` when it is not None (the *_missing() checks of benchmarks.peers)."""
+    if reason:
+        pytest.skip(reason)
