@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 import weakref
+import zlib
 from dataclasses import dataclass, field
 
 import torch
 
-from ._dtensor import is_dtensor, local
+from ._dtensor import is_dtensor, local, shard_offset
 from ._loader import _C
 from ._tracking import EntryTable
-from .ops import SUPPORTED_DTYPE_PAIRS, lerp_
+from .ops import SUPPORTED_DTYPE_PAIRS, lerp_, lerp_stochastic_
 
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
@@ -46,6 +47,24 @@ class DeviceGroup:
     staged: list = field(default_factory=list)  # walk indices of the staged sources
     staging: list = field(default_factory=list)  # where each staged source lands
     wait_for: set = field(default_factory=set)  # CUDA devices whose copies land in pinned memory
+    # Stochastic rounding of 16-bit EMAs: the seed (None: round to nearest), and per EMA tensor
+    # its generator key and the index of its first element in the full tensor.
+    seed: int | None = None
+    keys: list = field(default_factory=list)
+    offsets: list = field(default_factory=list)
+
+    def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
+        if weight.device.type != "cpu" and weight.device != self.device:
+            weight = weight.to(self.device)  # a device weight for another device
+        if self.seed is None:
+            lerp_(self.ema, sources, weight)
+            return
+        if step.device.type != "cpu" and step.device != self.device:
+            step = step.to(self.device)
+        lerp_stochastic_(
+            self.ema, sources, weight, seed=self.seed, step=step, keys=self.keys,
+            offsets=self.offsets,
+        )
 
     def sources(self, walk: list) -> list:
         out = take(walk, self.direct) if self.direct else []
@@ -67,7 +86,9 @@ class CopyGroup:
 
 
 class UpdatePlan:
-    def __init__(self, table: EntryTable, walk: list, names: int, snapshot: bool = False):
+    def __init__(
+        self, table: EntryTable, walk: list, names: int, snapshot: bool = False, seed=None
+    ):
         self.snapshot = snapshot
         self.names = names  # the walk's hash of every module, parameter and buffer name
         self.refs = tuple(None if t is None else weakref.ref(t) for t in walk)
@@ -80,6 +101,7 @@ class UpdatePlan:
         direct: dict = {}
         shards: dict = {}
         staged: dict = {}
+        streams: dict = {}
         for entry in table.entries:
             index = position[id(entry.bound())]
             ema, src = local(entry.ema), local(walk[index])
@@ -100,6 +122,7 @@ class UpdatePlan:
             else:
                 dtype = src.dtype if pair_supported(ema.dtype, src.dtype) else ema.dtype
                 staged.setdefault((device, src.device, dtype), []).append((ema, index))
+            streams[id(ema)] = entry
         for device, items in direct.items():
             group = self.groups[device]
             group.ema += [e for e, _ in items]
@@ -117,6 +140,11 @@ class UpdatePlan:
             group.staging += _staging_views(device, dtype, shapes, pin)
             if pin:
                 group.wait_for.add(src_device)
+        for group in self.groups.values():
+            if seed is not None and any(e.dtype in _ROUNDED for e in group.ema):
+                group.seed = seed
+                group.keys = [stream_key(streams[id(e)].name) for e in group.ema]
+                group.offsets = [_first_element(streams[id(e)].ema) for e in group.ema]
         # One EMA tensor per write: its version counter moves when that write happens.
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
@@ -148,10 +176,12 @@ class UpdatePlan:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, walk: list, weight: torch.Tensor, sources: list | None = None) -> None:
-        """The whole update, blocking. `sources` (the walk's values, from a traced program)
-        replaces the model's tensors as what is averaged toward."""
+    def run(self, walk: list, schedule, sources: list | None = None) -> None:
+        """The whole update, blocking, with the weight and step of `schedule`. `sources` (the
+        walk's values, from a traced program) replaces the model's tensors as what is averaged
+        toward."""
         values = walk if sources is None else sources
+        weight, step = schedule.weight, schedule.step
         self._marks = [p._version for p in self._probes]
         copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
         if self.has_staging and weight.device.type == "cpu" and float(weight) == 0.0:
@@ -160,20 +190,24 @@ class UpdatePlan:
             _run_to_the_end(copies)
             return
         self._stage(self.groups.values(), values)
-        lerps = [(lambda g=g: self._lerp(g, values, weight), g.ema[0]) for g in self.groups.values()]
+        lerps = [
+            (lambda g=g: g.lerp(g.sources(values), weight, step), g.ema[0])
+            for g in self.groups.values()
+        ]
         _run_to_the_end(lerps + copies)
 
-    def start(self, walk: list, weight: torch.Tensor, runner) -> bool:
+    def start(self, walk: list, schedule, runner) -> bool:
         """A non_blocking update: device EMAs update in stream order now; the copies for a CPU
         EMA are issued on side streams and a worker thread averages once they have landed.
         Returns whether work was left to the worker."""
+        weight, step = schedule.weight, schedule.step
         self._marks = [p._version for p in self._probes]
         skipped = weight.device.type == "cpu" and float(weight) == 0.0  # a host value
         now = [g for g in self.groups.values() if g.device.type != "cpu"]
         later = [g for g in self.groups.values() if g.device.type == "cpu" and not skipped]
         snapped = [c for c in self.copies.values() if c.staging]
         self._stage(now, walk)
-        writes = [(lambda g=g: self._lerp(g, walk, weight), g.ema[0]) for g in now]
+        writes = [(lambda g=g: g.lerp(g.sources(walk), weight, step), g.ema[0]) for g in now]
         writes += [
             (lambda c=c: self._copy(c, walk), c.ema[0])
             for c in self.copies.values()
@@ -185,7 +219,7 @@ class UpdatePlan:
         if not pairs:
             return False
         events = runner.issue_copies(pairs)
-        later_writes = [(lambda g=g: lerp_(g.ema, g.staging, weight), g.ema[0]) for g in later]
+        later_writes = [(lambda g=g: g.lerp(g.staging, weight, step), g.ema[0]) for g in later]
         later_writes += [
             (lambda c=c: torch._foreach_copy_(c.ema, c.staging), c.ema[0]) for c in snapped
         ]
@@ -210,14 +244,22 @@ class UpdatePlan:
             torch.cuda.current_stream(cuda_device).synchronize()
 
     @staticmethod
-    def _lerp(group: DeviceGroup, values: list, weight: torch.Tensor) -> None:
-        if weight.device.type != "cpu" and weight.device != group.device:
-            weight = weight.to(group.device)  # a device weight for another device
-        lerp_(group.ema, group.sources(values), weight)
-
-    @staticmethod
     def _copy(group: CopyGroup, values: list) -> None:
         torch._foreach_copy_(group.ema, [local(values[i]) for i in group.index])
+
+
+_ROUNDED = (torch.bfloat16, torch.float16)
+
+
+def stream_key(name: str) -> int:
+    """The random stream of an EMA tensor: a 31-bit hash of its name, the same on every rank,
+    device and list order."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def _first_element(ema: torch.Tensor) -> int:
+    """Index in the full tensor of the first element this rank holds (0 unless sharded)."""
+    return shard_offset(ema, 0) if is_dtensor(ema) else 0
 
 
 def _run_to_the_end(writes: list) -> None:

@@ -70,6 +70,23 @@ def check_options(decay, min_decay=0.0, warmup=False, update_after_step=0, updat
     }
 
 
+def check_rounding(stochastic_rounding, seed) -> dict:
+    """The stochastic-rounding options: a bool and a seed that fits in 64 bits."""
+    if not isinstance(stochastic_rounding, bool):
+        raise ValueError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")
+    seed = whole_number("stochastic_rounding_seed", seed, -(2**63), 2**64 - 1)
+    return {"stochastic_rounding": stochastic_rounding, "stochastic_rounding_seed": seed}
+
+
+def rounding_from_state(rounding) -> dict:
+    if not isinstance(rounding, dict) or set(rounding) != {
+        "stochastic_rounding",
+        "stochastic_rounding_seed",
+    }:
+        raise ValueError(f"expected stochastic_rounding and stochastic_rounding_seed, got {rounding!r}")
+    return check_rounding(rounding["stochastic_rounding"], rounding["stochastic_rounding_seed"])
+
+
 def options_from_state(schedule) -> dict:
     """check_options for a schedule read from a checkpoint (a dict of OPTION_KEYS)."""
     if not isinstance(schedule, dict):

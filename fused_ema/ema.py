@@ -24,7 +24,13 @@ from ._dtensor import copy_into, gather_full, is_dtensor, local, refuse_unsharde
 from ._loader import _C
 from ._module_view import EmaForwardCheck, SwappedModelView, build_module
 from ._plan import UpdatePlan
-from ._schedule import Schedule, check_options, options_from_state
+from ._schedule import (
+    Schedule,
+    check_options,
+    check_rounding,
+    options_from_state,
+    rounding_from_state,
+)
 from ._stats import ema_stats
 from ._swap import Swap, check_writable, copy_all
 from ._tracking import (
@@ -71,6 +77,11 @@ class ModelEma:
         update_every: update on steps 1, 1 + k, 1 + 2k, ... with ``decay ** k``.
         on_mismatch: "error" raises when the model's tensors were added, removed, renamed,
             reshaped or replaced; "resync" follows them (kept tensors keep their average).
+        stochastic_rounding, stochastic_rounding_seed: bfloat16/float16 EMA tensors (dtype=)
+            are rounded stochastically, so that updates below their resolution still move them
+            in expectation (timm 1.0.31's keywords and default). The random bits depend on the
+            seed, the step, the tensor's name and each element's index in the full tensor only:
+            every DDP rank, every FSDP2 shard layout and a resumed run give the same bits.
         use_warmup, warmup_gamma, warmup_power, exclude_buffers, foreach: timm ModelEmaV3's
             spellings, accepted so that it can be swapped in unchanged.
     """
@@ -88,6 +99,8 @@ class ModelEma:
         update_after_step: int = 0,
         update_every: int = 1,
         on_mismatch: str = "error",
+        stochastic_rounding: bool = True,
+        stochastic_rounding_seed: int = 0,
         use_warmup: bool | None = None,
         warmup_gamma: float = 1.0,
         warmup_power: float = 2.0 / 3.0,
@@ -105,6 +118,7 @@ class ModelEma:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         options = check_options(decay, min_decay, warmup, update_after_step, update_every)
+        self._rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
         self.buffers = buffers
         self.on_mismatch = on_mismatch
         self._policy = EntryPolicy(torch.device(device) if device is not None else None, dtype,
@@ -214,11 +228,11 @@ class ModelEma:
                 schedule.begin(step)
                 schedule.note_capture()
                 if non_blocking:
-                    if plan.start(walk, schedule.weight, self._runner):
+                    if plan.start(walk, schedule, self._runner):
                         self._pending_plan = plan
                         return  # synchronize() commits or rolls back
                 else:
-                    plan.run(walk, schedule.weight, values)
+                    plan.run(walk, schedule, values)
             except BaseException:
                 if plan is not None and plan.started():
                     schedule.commit()  # it wrote, so it finished: only the error propagates
@@ -294,7 +308,9 @@ class ModelEma:
             ema.data = moved
         try:
             table.rebind(tracked)
-            plan = UpdatePlan(table, *walk, snapshot) if walk is not None else None
+            seed = self._rounding["stochastic_rounding_seed"]
+            seed = seed if self._rounding["stochastic_rounding"] else None
+            plan = UpdatePlan(table, *walk, snapshot, seed) if walk is not None else None
             self._schedule.place(_schedule_device(table))
             module = self._module
             if table is not self._table or moves:
@@ -420,6 +436,7 @@ class ModelEma:
             "weights": weights,
             "step": self._schedule.step.detach(),
             "schedule": self.schedule,
+            "rounding": dict(self._rounding),
             "buffers": self.buffers,
         }
 
@@ -443,9 +460,17 @@ class ModelEma:
                     [f"could not read it: {type(err).__name__}: {err}"], source
                 ) from err
         prepared = prepare_load(self._table, state, strict, source, options_from_state)
+        rounding = None
+        if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:
+            try:
+                rounding = rounding_from_state(state["rounding"])
+            except (TypeError, ValueError) as err:
+                raise CheckpointError([f"rounding: {err}"], source) from err
         with torch.no_grad():
             copy_all([(None, value, entry.ema) for entry, value in prepared.values])
             self._schedule.load(prepared.options, prepared.step)
+        if rounding is not None and rounding != self._rounding:
+            self._rounding, self._plan = rounding, None
         self._warn_precision()
         return prepared.result
 
@@ -477,13 +502,13 @@ class ModelEma:
             for e in self._table.entries
             if e.average and e.ema.dtype in _LOW_PRECISION
         }
-        if low and self.decay > 0.99:
+        if low and self.decay > 0.99 and not self._rounding["stochastic_rounding"]:
             warnings.warn(
                 f"fused_ema: a {', '.join(sorted(low))} EMA with decay {self.decay} loses most "
                 f"updates to rounding: a step moves a weight by {1 - self.decay:.0e} of its "
                 "distance to the model, below half an ulp of a 16-bit float for most entries, so "
-                "they stop moving. Keep the EMA in float32 (dtype=None, the default, does that "
-                "even for a 16-bit model) or lower the decay.",
+                "they stop moving. Keep stochastic_rounding=True (the default), keep the EMA in "
+                "float32 (dtype=None does that even for a 16-bit model) or lower the decay.",
                 PrecisionWarning,
                 stacklevel=3,
             )
