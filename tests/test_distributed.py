@@ -74,6 +74,8 @@ def test_fsdp2_sharded_ema_equals_unsharded_ema(backend, tmp_path):
     for rank, r in enumerate(ranks):
         assert r["step"] == STEPS
         assert r["max_error"] <= 1e-6, f"rank {rank}: sharded EMA differs by {r['max_error']}"
+        # stochastic rounding keyed by the full-tensor index: sharded == unsharded, bit for bit
+        assert r["stochastic_error"] == 0.0, r["stochastic_error"]
         assert r["collectives_in_update"] == 0, "update() communicated"
         assert r["placements_match"], "the EMA is not sharded like the model"
         assert r["swapped_error"] <= 1e-6 and r["restored_after_swap"]

@@ -89,6 +89,11 @@ def fsdp(out: Path, rank: int, device) -> dict:
     model, reference = sharded_pair(device)
     ema = fused_ema.ModelEma(model, **SETTINGS)
     ref_ema = fused_ema.ModelEma(reference, **SETTINGS)
+    # Stochastically rounded bf16 EMAs of the sharded model and of an unsharded mirror holding
+    # exactly its values: the random bits follow each element's index in the full tensor.
+    mirror = copy.deepcopy(reference)
+    sr_ema = fused_ema.ModelEma(model, dtype=torch.bfloat16, **SETTINGS)
+    sr_mirror = fused_ema.ModelEma(mirror, dtype=torch.bfloat16, **SETTINGS)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
     collectives = 0
@@ -98,8 +103,13 @@ def fsdp(out: Path, rank: int, device) -> dict:
         train_step(reference, ref_opt, tokens)
         with CommDebugMode() as comm:
             ema.update(model)
+            sr_ema.update(model)
         collectives += comm.get_total_counts()
         ref_ema.update(reference)
+        with torch.no_grad():
+            for (_, m), p in zip(mirror.named_parameters(), model.parameters()):
+                m.copy_(p.full_tensor())
+        sr_mirror.update(mirror)
     weights = ema.state_dict()["weights"]
     params = dict(model.named_parameters())
     placements_match = all(
@@ -133,6 +143,7 @@ def fsdp(out: Path, rank: int, device) -> dict:
     return {
         "raw_dtensor_error": raw_error,
         "max_error": max_error(ema, ref_ema),
+        "stochastic_error": max_error(sr_ema, sr_mirror),
         "collectives_in_update": collectives,
         "placements_match": placements_match,
         "local_shapes": local_shapes,
