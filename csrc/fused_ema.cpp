@@ -32,7 +32,7 @@ PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs)
 PyObject* python_walk_signature(PyObject* module, PyObject* walk);
 PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
-PyObject* python_philox(PyObject* module, PyObject* args);      // stochastic_round_testing.cpp
+PyObject* python_philox(PyObject* module, PyObject* args);  // stochastic_round_testing.cpp
 PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 }  // namespace fused_ema
 

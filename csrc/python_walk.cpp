@@ -414,9 +414,8 @@ PyObject* python_tensor_walk(PyObject* /*module*/, PyObject* args, PyObject* kwa
   PyObject* model = nullptr;
   int with_buffers = 1;
   int names = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|pp:tensor_walk",
-                                   const_cast<char**>(kKeywords), &model, &with_buffers,
-                                   &names) ||
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|pp:tensor_walk", const_cast<char**>(kKeywords),
+                                   &model, &with_buffers, &names) ||
       !intern_names()) {
     return nullptr;
   }

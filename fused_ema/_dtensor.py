@@ -167,9 +167,7 @@ def gather_full(entries, rank, cpu_offload: bool) -> dict:
 
 def refuse_unsharded(by_name: dict, tracked) -> None:
     """An FSDP2 model between forward and backward holds unsharded parameters: refuse them."""
-    pairs = [
-        (n, by_name[n].ema, t.tensor) for t in tracked for n in t.names if n in by_name
-    ]
+    pairs = [(n, by_name[n].ema, t.tensor) for t in tracked for n in t.names if n in by_name]
     names = unsharded_names(pairs)
     if names:
         raise RuntimeError(

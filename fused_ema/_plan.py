@@ -62,7 +62,12 @@ class DeviceGroup:
         if step.device.type != "cpu" and step.device != self.device:
             step = step.to(self.device)
         lerp_stochastic_(
-            self.ema, sources, weight, seed=self.seed, step=step, keys=self.keys,
+            self.ema,
+            sources,
+            weight,
+            seed=self.seed,
+            step=step,
+            keys=self.keys,
             offsets=self.offsets,
         )
 

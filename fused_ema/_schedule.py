@@ -83,7 +83,9 @@ def rounding_from_state(rounding) -> dict:
         "stochastic_rounding",
         "stochastic_rounding_seed",
     }:
-        raise ValueError(f"expected stochastic_rounding and stochastic_rounding_seed, got {rounding!r}")
+        raise ValueError(
+            f"expected stochastic_rounding and stochastic_rounding_seed, got {rounding!r}"
+        )
     return check_rounding(rounding["stochastic_rounding"], rounding["stochastic_rounding_seed"])
 
 
@@ -148,7 +150,9 @@ class Schedule:
             return None
         if isinstance(step, torch.Tensor):
             if step.numel() != 1:
-                raise ValueError(f"step must be one number, got a tensor of shape {list(step.shape)}")
+                raise ValueError(
+                    f"step must be one number, got a tensor of shape {list(step.shape)}"
+                )
             if step.dtype == torch.bool or step.is_floating_point() or step.is_complex():
                 raise ValueError(f"step must be an integer tensor, got {step.dtype}")
             if step.is_meta:

@@ -86,8 +86,9 @@ class Swap:
         key = (a.device, a.dtype)
         scratch = self._scratch.get(key)
         if scratch is None or scratch.numel() < min(step, a.numel()):
-            scratch = self._scratch[key] = torch.empty(min(step, a.numel()), dtype=a.dtype,
-                                                       device=a.device)
+            scratch = self._scratch[key] = torch.empty(
+                min(step, a.numel()), dtype=a.dtype, device=a.device
+            )
         done = []
         try:
             for start in range(0, a.numel(), step):

@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _compiled
 from ._async import AsyncRunner
-from ._dtensor import copy_into, gather_full, is_dtensor, local, refuse_unsharded, reshard_fsdp
+from ._dtensor import gather_full, is_dtensor, local, refuse_unsharded, reshard_fsdp
 from ._loader import _C
 from ._module_view import EmaForwardCheck, SwappedModelView, build_module
 from ._plan import UpdatePlan
@@ -121,8 +121,9 @@ class ModelEma:
         self._rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
         self.buffers = buffers
         self.on_mismatch = on_mismatch
-        self._policy = EntryPolicy(torch.device(device) if device is not None else None, dtype,
-                                   buffers)
+        self._policy = EntryPolicy(
+            torch.device(device) if device is not None else None, dtype, buffers
+        )
         model = unwrap_model(model)
         tracked = named_tensors(model, self._with_buffers)
         with torch.no_grad():
@@ -554,4 +555,3 @@ def _schedule_device(table: EntryTable) -> torch.device:
         if device.type not in ("cpu", "meta"):
             return device
     return torch.device("cpu")
-

@@ -26,9 +26,7 @@ class StructureMismatchError(RuntimeError):
         super().__init__("\n".join(lines))
 
     def __bool__(self) -> bool:
-        return bool(
-            self.added or self.removed or self.reshaped or self.replaced or self.renamed
-        )
+        return bool(self.added or self.removed or self.reshaped or self.replaced or self.renamed)
 
 
 class CheckpointError(ValueError):

@@ -346,9 +346,9 @@ def test_deepcopy_after_a_non_blocking_update_and_pickling_round_trip():
         assert other.step == ema.step
         for name, value in other.state_dict()["weights"].items():
             assert torch.equal(value, expected[name]), name
-        assert other.state_dict()["weights"]["0.weight"].data_ptr() != expected[
-            "0.weight"
-        ].data_ptr()
+        assert (
+            other.state_dict()["weights"]["0.weight"].data_ptr() != expected["0.weight"].data_ptr()
+        )
     x = torch.randn(5, 6)
     torch.testing.assert_close(restored.module(x), ema.module(x))
     # the copies are independent EMAs that keep working

@@ -42,8 +42,6 @@ BIG_STEP = 2**62  # beyond any step the EMA can count exactly: refused
 THEN = st.sampled_from(["follow", "leave"])  # after a structure change
 
 
-
-
 # ---------------------------------------------------------------------- the reference schedule
 
 
@@ -467,7 +465,7 @@ class EmaMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ structure changes
 
     def after_change(self, then: str) -> None:
-        """"follow": at once, what a user does after a structure change: with
+        """ "follow": at once, what a user does after a structure change: with
         on_mismatch="error" the update raises and changes nothing, then ema.resync(model)."""
         if then != "follow":
             return  # left pending: later rules meet the changed model
@@ -648,9 +646,7 @@ class EmaMachine(RuleBasedStateMachine):
         }
         expected_missing = {n for n in mine if n not in state["weights"]}
         expected_unexpected = {k for k in state["weights"] if k not in mine}
-        expected_mismatched = {
-            k for k in state["weights"] if k in mine and k not in loadable
-        }
+        expected_mismatched = {k for k in state["weights"] if k in mine and k not in loadable}
         result = self.ema.load_state_dict(state, strict=False)
         assert set(result.missing_keys) == expected_missing
         assert set(result.unexpected_keys) == expected_unexpected

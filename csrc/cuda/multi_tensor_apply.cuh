@@ -300,8 +300,7 @@ cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapa
       return cudaSuccess;
     }
     meta.first_block[meta.num_tensors] = static_cast<int32_t>(blocks);
-    const cudaError_t err =
-        launch(static_cast<const LaunchMeta<kCapacity, Extra>&>(meta), blocks);
+    const cudaError_t err = launch(static_cast<const LaunchMeta<kCapacity, Extra>&>(meta), blocks);
     meta.num_tensors = 0;
     blocks = 0;
     return err;
