@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-import weakref
 from typing import Union
 
 import torch
@@ -20,9 +19,9 @@ from torch import nn
 
 from . import _compiled
 from ._async import AsyncRunner
-from ._dtensor import gather_full, is_dtensor, local, refuse_unsharded, reshard_fsdp
+from ._binding import Binding
+from ._dtensor import gather_full, reshard_fsdp
 from ._loader import _C
-from ._module_view import EmaForwardCheck, SwappedModelView, build_module
 from ._plan import UpdatePlan
 from ._schedule import (
     Schedule,
@@ -35,25 +34,17 @@ from ._stats import ema_stats
 from ._swap import Swap, check_writable, copy_all
 from ._tracking import (
     EntryPolicy,
-    EntryTable,
-    named_tensors,
     tensor_walk,
-    unbound,
     unwrap_model,
 )
 from .checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
-from .errors import CheckpointError, PrecisionWarning, StructureMismatchError
+from .errors import CheckpointError, PrecisionWarning
 
 __all__ = ["LoadResult", "ModelEma"]
 
 BUFFER_MODES = ("average", "copy", "ignore")
 MISMATCH_MODES = ("error", "resync")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-_RESYNC_HINT = (
-    "Call ema.resync(model) to follow the model (tensors keep their average under their new "
-    "names, new or reshaped ones start from the model), or build the EMA with "
-    "on_mismatch='resync'."
-)
 
 Device = Union[str, torch.device, None]
 
@@ -119,24 +110,14 @@ class ModelEma:
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         options = check_options(decay, min_decay, warmup, update_after_step, update_every)
         self._rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
-        self.buffers = buffers
-        self.on_mismatch = on_mismatch
-        self._policy = EntryPolicy(
-            torch.device(device) if device is not None else None, dtype, buffers
-        )
-        model = unwrap_model(model)
-        tracked = named_tensors(model, self._with_buffers)
-        with torch.no_grad():
-            self._table = EntryTable([self._policy.new_entry(t) for t in tracked])
-        self._schedule = Schedule(options, _schedule_device(self._table))
+        policy = EntryPolicy(torch.device(device) if device is not None else None, dtype, buffers)
         self._init_transient()
-        self._model_ref = weakref.ref(model)
-        self._module = build_module(self, self._table.entries, model)
+        self._binding = Binding(self, unwrap_model(model), policy, on_mismatch, self._seed())
+        self._schedule = Schedule(options, self._binding.schedule_device())
         self._warn_precision()
 
     def _init_transient(self) -> None:
         """The state no copy or pickle carries: rebuilt from the rest when needed."""
-        self._plan: UpdatePlan | None = None
         self._runner = AsyncRunner()
         self._pending_plan: UpdatePlan | None = None
         self._swapped = False
@@ -167,15 +148,27 @@ class ModelEma:
 
     @property
     def device(self) -> torch.device | None:
-        return self._policy.device
+        return self._binding.policy.device
 
     @property
-    def _with_buffers(self) -> bool:
-        return self.buffers != "ignore"
+    def _plan(self) -> UpdatePlan | None:
+        return self._binding.plan
+
+    @property
+    def buffers(self) -> str:
+        return self._binding.policy.buffers
+
+    @property
+    def on_mismatch(self) -> str:
+        return self._binding.on_mismatch
+
+    def _seed(self):
+        rounding = self._rounding
+        return rounding["stochastic_rounding_seed"] if rounding["stochastic_rounding"] else None
 
     def names(self) -> list[str]:
         """Every tracked name, tied weights under each of their names."""
-        return self._table.names()
+        return self._binding.table.names()
 
     # ------------------------------------------------------------------ updating
 
@@ -195,7 +188,7 @@ class ModelEma:
         worker fails, the next call raises its error and the step is as before that update.
         """
         if torch.compiler.is_compiling():
-            walk = tensor_walk(unwrap_model(model), self._with_buffers)
+            walk = tensor_walk(unwrap_model(model), self._binding.with_buffers)
             tensor_step = step if isinstance(step, torch.Tensor) else None
             int_step = None if isinstance(step, torch.Tensor) else step
             step_state = self._schedule.step
@@ -206,7 +199,7 @@ class ModelEma:
 
     def _update_from_trace(self, values: list, step) -> None:
         """The body of the op a compiled update calls: the same update, on the live model."""
-        model = self._model_ref()
+        model = self._binding.model_ref()
         if model is None:
             raise RuntimeError("fused_ema: the model this EMA follows no longer exists")
         self._ready("update")
@@ -214,13 +207,14 @@ class ModelEma:
 
     def _update(self, model: nn.Module, step, non_blocking: bool, values=None) -> None:
         step = self._schedule.check_step(step)
-        walk, names = _C.tensor_walk(model, self._with_buffers, True)
-        plan, undo = self._plan, None
+        walk, names = _C.tensor_walk(model, self._binding.with_buffers, True)
+        plan, undo = None, None
         schedule = self._schedule
         with torch.no_grad():
             try:
-                if plan is None or plan.snapshot != non_blocking or not plan.matches(walk, names):
-                    plan, undo = self._follow(model, walk, names, snapshot=non_blocking)
+                plan, undo = self._binding.plan_for(
+                    self, model, walk, names, non_blocking, schedule
+                )
                 if values is not None and len(values) != len(walk):
                     raise RuntimeError(
                         "fused_ema: the compiled program walked another model structure"
@@ -263,86 +257,12 @@ class ModelEma:
         self._pending_plan = None
         self._schedule.commit()
 
-    def _follow(self, model: nn.Module, walk: list, names: int, snapshot: bool):
-        """A new plan for a model whose tensors, placement or structure changed since the last
-        one, and how to go back. Structure changes raise (on_mismatch="error") or are followed
-        ("resync")."""
-        tracked = named_tensors(model, self._with_buffers)
-        refuse_unsharded(self._table.by_name, tracked)
-        table = self._table
-        changes = table.changes(tracked)
-        if changes:
-            if self.on_mismatch == "error":
-                raise StructureMismatchError(
-                    changes.added,
-                    changes.removed,
-                    changes.reshaped,
-                    changes.replaced,
-                    renamed=changes.renamed,
-                    hint=_RESYNC_HINT,
-                )
-            with torch.no_grad():
-                table = table.followed(tracked, self._policy)
-        return self._adopt(model, table, tracked, (walk, names), snapshot)
-
-    def _adopt(self, model, table: EntryTable, tracked, walk=None, snapshot=False):
-        """Makes `table` the EMA's, placed for `model`, with a plan for `walk`; builds everything
-        first and changes the EMA only once nothing can fail. Returns the plan and a function
-        that puts the previous state back."""
-        current = {n: t.tensor for t in tracked for n in t.names}
-        meta = [e.name for e in table.entries if e.ema.is_meta and not current[e.name].is_meta]
-        if meta:
-            raise RuntimeError(
-                f"fused_ema: {len(meta)} EMA tensors were made from a meta-device model and hold "
-                f"no values (e.g. {meta[0]}); call ema.resync(model) once the model is "
-                "materialised (model.to_empty(...) and its initialisation)"
-            )
-        previous = (self._table, self._plan, self._module, self._model_ref)
-        previous_place = self._schedule.device
-        moves = []
-        if self._policy.device is None:  # each EMA tensor follows its model tensor
-            for e in table.entries:
-                src = current[e.name]
-                if not is_dtensor(src) and e.ema.device != src.device and not src.is_meta:
-                    moves.append((e.ema, e.ema.data, e.ema.data.to(src.device)))
-        for ema, _, moved in moves:
-            ema.data = moved
-        try:
-            table.rebind(tracked)
-            seed = self._rounding["stochastic_rounding_seed"]
-            seed = seed if self._rounding["stochastic_rounding"] else None
-            plan = UpdatePlan(table, *walk, snapshot, seed) if walk is not None else None
-            self._schedule.place(_schedule_device(table))
-            module = self._module
-            if table is not self._table or moves:
-                module = build_module(self, table.entries, model)
-        except BaseException:
-            for ema, before, _ in moves:
-                ema.data = before
-            self._table.rebind(named_tensors(model, self._with_buffers))
-            raise
-        self._table, self._plan, self._module = table, plan, module
-        self._model_ref = weakref.ref(model)
-
-        def undo():
-            for ema, before, _ in moves:
-                ema.data = before
-            self._table, self._plan, self._module, self._model_ref = previous
-            self._schedule.place(previous_place)
-
-        return plan, undo
-
     def resync(self, model: nn.Module) -> None:
         """Follows the model's current tensors: each keeps its average under its current names
         (matched by identity, then by name and shape), new or reshaped ones start from the model,
         removed ones go."""
         self._ready("resync")
-        model = unwrap_model(model)
-        tracked = named_tensors(model, self._with_buffers)
-        refuse_unsharded(self._table.by_name, tracked)
-        with torch.no_grad():
-            table = self._table.followed(tracked, self._policy)
-        self._adopt(model, table, tracked)
+        self._binding.resync(self, unwrap_model(model), self._schedule)
         self._warn_precision()
 
     def _ready(self, what: str) -> None:
@@ -363,12 +283,7 @@ class ModelEma:
         model deepcopy refuses (FSDP2, locks, handles) it runs the model itself with the EMA
         swapped in for each call (see swapped())."""
         self.synchronize()
-        if self._module is None:
-            model = self._model_ref()
-            if model is None:
-                raise RuntimeError("ema.module: call ema.update(model) or ema.resync(model) first")
-            self._module = build_module(self, self._table.entries, model)
-        return self._module
+        return self._binding.module_for(self)
 
     def _before_module_forward(self) -> None:
         self.synchronize()
@@ -388,7 +303,7 @@ class ModelEma:
         costs their size."""
         self._ready("swapped")
         model = unwrap_model(model)
-        pairs = self._pairs_with(model)
+        pairs = self._binding.pairs_with(model)
         check_writable(pairs)
         swap = Swap(pairs)
         swap.swap_in()
@@ -404,25 +319,9 @@ class ModelEma:
     def copy_to(self, model: nn.Module) -> None:
         """Writes the EMA weights into `model` (matched by name, cast to its dtypes/devices)."""
         self._ready("copy_to")
-        pairs = self._pairs_with(unwrap_model(model))
+        pairs = self._binding.pairs_with(unwrap_model(model))
         check_writable(pairs)
         copy_all(pairs)
-
-    def _pairs_with(self, model: nn.Module) -> list:
-        """(name, EMA tensor, model tensor) for every entry, matched by name and shape."""
-        tracked = named_tensors(model, self._with_buffers)
-        refuse_unsharded(self._table.by_name, tracked)
-        changes = self._table.changes(tracked)
-        if changes.added or changes.removed or changes.reshaped or changes.renamed:
-            raise StructureMismatchError(
-                changes.added,
-                changes.removed,
-                changes.reshaped,
-                renamed=changes.renamed,
-                hint="Call ema.resync(model) first.",
-            )
-        current = {name: t.tensor for t in tracked for name in t.names}
-        return [(e.name, e.ema, current[e.name]) for e in self._table.entries]
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -430,7 +329,7 @@ class ModelEma:
         """Names -> EMA tensors (tied weights under each name), the step and the schedule.
         Loadable on any device: load_state_dict maps tensors to the EMA's own."""
         self._ready("state_dict")
-        weights = {name: e.ema.detach() for e in self._table.entries for name in e.names}
+        weights = {name: e.ema.detach() for e in self._binding.table.entries for name in e.names}
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -460,7 +359,7 @@ class ModelEma:
                 raise CheckpointError(
                     [f"could not read it: {type(err).__name__}: {err}"], source
                 ) from err
-        prepared = prepare_load(self._table, state, strict, source, options_from_state)
+        prepared = prepare_load(self._binding.table, state, strict, source, options_from_state)
         rounding = None
         if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:
             try:
@@ -470,8 +369,9 @@ class ModelEma:
         with torch.no_grad():
             copy_all([(None, value, entry.ema) for entry, value in prepared.values])
             self._schedule.load(prepared.options, prepared.step)
-        if rounding is not None and rounding != self._rounding:
-            self._rounding, self._plan = rounding, None
+        if rounding is not None:
+            self._rounding = rounding
+            self._binding.set_seed(self._seed())
         self._warn_precision()
         return prepared.result
 
@@ -487,7 +387,9 @@ class ModelEma:
         """
         self._ready("stats")
         model = unwrap_model(model) if model is not None else None
-        return ema_stats(self._table.entries, self.step, self.current_decay, self.decay, model)
+        return ema_stats(
+            self._binding.table.entries, self.step, self.current_decay, self.decay, model
+        )
 
     def full_state_dict(self, rank: int | None = 0, cpu_offload: bool = True) -> dict:
         """Whole, plain EMA tensors by name (a model state dict: ``model.load_state_dict`` takes
@@ -495,12 +397,12 @@ class ModelEma:
         every rank must call this. With `rank`, only that rank keeps the result and the others get
         {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
         self._ready("full_state_dict")
-        return gather_full(self._table.entries, rank, cpu_offload)
+        return gather_full(self._binding.table.entries, rank, cpu_offload)
 
     def _warn_precision(self) -> None:
         low = {
             str(e.ema.dtype)
-            for e in self._table.entries
+            for e in self._binding.table.entries
             if e.average and e.ema.dtype in _LOW_PRECISION
         }
         if low and self.decay > 0.99 and not self._rounding["stochastic_rounding"]:
@@ -520,38 +422,22 @@ class ModelEma:
         self.synchronize()
         if self._swapped:
             raise RuntimeError("a ModelEma cannot be copied or pickled inside ema.swapped()")
-        state = {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
-        state["_module"] = None if isinstance(self._module, SwappedModelView) else self._module
-        return state
+        return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        for entry in self._table.entries:
-            entry.bound = unbound  # bound again by name at the next update or resync
-        self._model_ref = unbound
         self._init_transient()
-        if self._module is not None:
-            for hook in self._module._forward_pre_hooks.values():
-                if isinstance(hook, EmaForwardCheck):
-                    hook._ema = weakref.ref(self)
+        self._binding.rehook(self)
 
     def __repr__(self) -> str:
         sc = self._schedule.options
         where = str(self.device) if self.device is not None else "with the model"
         return (
-            f"ModelEma({len(self._table.entries)} tensors, decay={sc['decay']}, device={where}, "
+            f"ModelEma({len(self._binding.table.entries)} tensors, decay={sc['decay']}, "
+            f"device={where}, "
             f"buffers={self.buffers!r}, warmup={sc['warmup']}, "
             f"update_after_step={sc['update_after_step']}, update_every={sc['update_every']})"
         )
 
 
-_TRANSIENT = ("_plan", "_runner", "_pending_plan", "_swapped", "_key", "_model_ref")
-
-
-def _schedule_device(table: EntryTable) -> torch.device:
-    """Where the step counter lives: with the first EMA tensor that is not on the CPU."""
-    for entry in table.entries:
-        device = local(entry.ema).device
-        if device.type not in ("cpu", "meta"):
-            return device
-    return torch.device("cpu")
+_TRANSIENT = ("_runner", "_pending_plan", "_swapped", "_key")

@@ -1,0 +1,174 @@
+"""What binds an EMA to a model: its entries, the update plan for the model's current walk, the
+evaluation module and the model it follows. When the model changed, a new binding is built aside
+(structure checked, tensors placed, plan made) and switched to only once complete, with a way
+back for an update that fails later."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ._dtensor import is_dtensor, local, refuse_unsharded
+from ._module_view import EmaForwardCheck, SwappedModelView, build_module
+from ._plan import UpdatePlan
+from ._tracking import EntryPolicy, EntryTable, named_tensors, unbound
+from .errors import StructureMismatchError
+
+_RESYNC_HINT = (
+    "Call ema.resync(model) to follow the model (tensors keep their average under their new "
+    "names, new or reshaped ones start from the model), or build the EMA with "
+    "on_mismatch='resync'."
+)
+
+
+class Binding:
+    def __init__(self, ema, model: nn.Module, policy: EntryPolicy, on_mismatch: str, seed):
+        self.policy = policy
+        self.on_mismatch = on_mismatch
+        self.seed = seed  # stochastic rounding of 16-bit EMA tensors; None: round to nearest
+        tracked = named_tensors(model, self.with_buffers)
+        with torch.no_grad():
+            self.table = EntryTable([policy.new_entry(t) for t in tracked])
+        self.plan: UpdatePlan | None = None
+        self.model_ref = weakref.ref(model)
+        self.module = build_module(ema, self.table.entries, model)
+
+    @property
+    def with_buffers(self) -> bool:
+        return self.policy.buffers != "ignore"
+
+    def schedule_device(self, table: EntryTable | None = None) -> torch.device:
+        """Where the step counter lives: with the first EMA tensor that is not on the CPU."""
+        for entry in (table or self.table).entries:
+            device = local(entry.ema).device
+            if device.type not in ("cpu", "meta"):
+                return device
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ following the model
+
+    def plan_for(self, ema, model, walk, names, snapshot, schedule):
+        """The plan for this walk of `model`, and how to undo what was needed to make it (None
+        when the current plan fits)."""
+        plan = self.plan
+        if plan is not None and plan.snapshot == snapshot and plan.matches(walk, names):
+            return plan, None
+        tracked = named_tensors(model, self.with_buffers)
+        refuse_unsharded(self.table.by_name, tracked)
+        table = self.table
+        changes = table.changes(tracked)
+        if changes:
+            if self.on_mismatch == "error":
+                raise StructureMismatchError(
+                    changes.added,
+                    changes.removed,
+                    changes.reshaped,
+                    changes.replaced,
+                    renamed=changes.renamed,
+                    hint=_RESYNC_HINT,
+                )
+            with torch.no_grad():
+                table = table.followed(tracked, self.policy)
+        return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
+
+    def resync(self, ema, model: nn.Module, schedule) -> None:
+        tracked = named_tensors(model, self.with_buffers)
+        refuse_unsharded(self.table.by_name, tracked)
+        with torch.no_grad():
+            table = self.table.followed(tracked, self.policy)
+        self.adopt(ema, model, table, tracked, schedule)
+
+    def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False):
+        """Makes `table` the binding's, placed for `model`, with a plan for `walk`; builds
+        everything first and changes the EMA only once nothing can fail. Returns the plan and a
+        function that puts the previous state back."""
+        current = {n: t.tensor for t in tracked for n in t.names}
+        meta = [e.name for e in table.entries if e.ema.is_meta and not current[e.name].is_meta]
+        if meta:
+            raise RuntimeError(
+                f"fused_ema: {len(meta)} EMA tensors were made from a meta-device model and hold "
+                f"no values (e.g. {meta[0]}); call ema.resync(model) once the model is "
+                "materialised (model.to_empty(...) and its initialisation)"
+            )
+        previous = (self.table, self.plan, self.module, self.model_ref)
+        previous_place = schedule.device
+        moves = []
+        if self.policy.device is None:  # each EMA tensor follows its model tensor
+            for e in table.entries:
+                src = current[e.name]
+                if not is_dtensor(src) and e.ema.device != src.device and not src.is_meta:
+                    moves.append((e.ema, e.ema.data, e.ema.data.to(src.device)))
+        for tensor, _, moved in moves:
+            tensor.data = moved
+        try:
+            table.rebind(tracked)
+            plan = UpdatePlan(table, *walk, snapshot, self.seed) if walk is not None else None
+            schedule.place(self.schedule_device(table))
+            module = self.module
+            if table is not self.table or moves:
+                module = build_module(ema, table.entries, model)
+        except BaseException:
+            for tensor, before, _ in moves:
+                tensor.data = before
+            self.table.rebind(named_tensors(model, self.with_buffers))
+            raise
+        self.table, self.plan, self.module = table, plan, module
+        self.model_ref = weakref.ref(model)
+
+        def undo():
+            for tensor, before, _ in moves:
+                tensor.data = before
+            self.table, self.plan, self.module, self.model_ref = previous
+            schedule.place(previous_place)
+
+        return plan, undo
+
+    def pairs_with(self, model: nn.Module) -> list:
+        """(name, EMA tensor, model tensor) for every entry, matched by name and shape."""
+        tracked = named_tensors(model, self.with_buffers)
+        refuse_unsharded(self.table.by_name, tracked)
+        changes = self.table.changes(tracked)
+        if changes.added or changes.removed or changes.reshaped or changes.renamed:
+            raise StructureMismatchError(
+                changes.added,
+                changes.removed,
+                changes.reshaped,
+                renamed=changes.renamed,
+                hint="Call ema.resync(model) first.",
+            )
+        current = {name: t.tensor for t in tracked for name in t.names}
+        return [(e.name, e.ema, current[e.name]) for e in self.table.entries]
+
+    def module_for(self, ema) -> nn.Module:
+        if self.module is None:
+            model = self.model_ref()
+            if model is None:
+                raise RuntimeError("ema.module: call ema.update(model) or ema.resync(model) first")
+            self.module = build_module(ema, self.table.entries, model)
+        return self.module
+
+    def set_seed(self, seed) -> None:
+        if seed != self.seed:
+            self.seed, self.plan = seed, None
+
+    # ------------------------------------------------------------------ copies and pickling
+
+    def __getstate__(self) -> dict:
+        state = {**self.__dict__, "plan": None, "model_ref": unbound}
+        if isinstance(self.module, SwappedModelView):
+            state["module"] = None  # runs a live model: rebuilt from the next one
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for entry in self.table.entries:
+            entry.bound = unbound  # bound again by name at the next update or resync
+
+    def rehook(self, ema) -> None:
+        """Points ema.module's forward check at `ema` (after a copy or unpickling)."""
+        if self.module is not None:
+            for hook in self.module._forward_pre_hooks.values():
+                if isinstance(hook, EmaForwardCheck):
+                    hook._ema = weakref.ref(ema)
