@@ -96,8 +96,10 @@ def lerp_stochastic_(
         step = torch.tensor(_as_int64(step, "step"), dtype=torch.int64)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{_SR_OP}seed must be an int, got {_type(seed)}")
-    keys = list(range(len(ema))) if keys is None else [int(k) for k in keys]
-    offsets = [0] * len(ema) if offsets is None else [int(o) for o in offsets]
+    # Lists go to the op as they are (its schema checks every item in C++): a ModelEma update
+    # passes the same lists each step, with no Python loop over them.
+    keys = list(range(len(ema))) if keys is None else _int_list(keys)
+    offsets = [0] * len(ema) if offsets is None else _int_list(offsets)
     if any_dtensor(ema) or any_dtensor(src):
         # A DTensor's elements are numbered in the full tensor: its shard starts further on.
         if len(offsets) == len(ema):
@@ -106,6 +108,10 @@ def lerp_stochastic_(
     torch.ops.fused_ema.lerp_stochastic_(
         ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
     )
+
+
+def _int_list(values) -> list:
+    return values if isinstance(values, list) else [int(v) for v in values]
 
 
 def _as_int64(value: int, name: str) -> int:

@@ -43,6 +43,15 @@ def train_step(model, optimizer, generator=None, device="cpu"):
     optimizer.step()
 
 
+def trained(model, steps, seed=0):
+    """`model` after `steps` SGD steps on random data drawn from `seed`."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        train_step(model, opt, g)
+    return model
+
+
 def float_state(module):
     """name -> tensor for floating entries of a state dict (what an EMA averages)."""
     return {k: v for k, v in module.state_dict().items() if v.is_floating_point()}

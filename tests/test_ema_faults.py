@@ -15,15 +15,7 @@ import torch
 from torch import nn
 
 import fused_ema
-from ema_helpers import TiedNet, small_mlp, train_step
-
-
-def trained(model, steps=2, seed=0):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        train_step(model, opt, g)
-    return model
+from ema_helpers import TiedNet, small_mlp, trained
 
 
 def state_of(ema):
@@ -58,7 +50,7 @@ def assert_model_unchanged(model, before):
 def moved_ema(**kwargs):
     """An EMA that has averaged a few steps and differs from its model."""
     torch.manual_seed(0)
-    model = trained(small_mlp())
+    model = trained(small_mlp(), 2)
     ema = fused_ema.ModelEma(model, decay=0.5, **kwargs)
     ema.update(model)
     trained(model, 1, seed=1)
@@ -145,6 +137,30 @@ def test_a_corrupted_checkpoint_changes_nothing_and_the_ema_keeps_working(kind):
     assert_same_state(ema, before)
     ema.update(model)  # still usable
     assert ema.step == before[1] + 1
+
+
+def test_running_out_of_memory_while_loading_changes_nothing(monkeypatch):
+    import fused_ema.checkpoint as checkpoint_module
+
+    model, ema = moved_ema(warmup=True)
+    sd = copy.deepcopy(ema).state_dict()
+    with torch.no_grad():
+        for value in sd["weights"].values():
+            value.add_(1.0) if value.is_floating_point() else None
+    sd["step"] = torch.tensor(40)
+    real, calls = checkpoint_module._converted, []
+
+    def out_of_memory(entry, tensor):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("no room")
+        return real(entry, tensor)
+
+    monkeypatch.setattr(checkpoint_module, "_converted", out_of_memory)
+    before = state_of(ema)
+    with pytest.raises(fused_ema.CheckpointError, match="no room"):
+        ema.load_state_dict(sd)
+    assert_same_state(ema, before)
 
 
 def test_a_truncated_file_changes_nothing(tmp_path):

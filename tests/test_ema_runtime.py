@@ -46,6 +46,7 @@ class CountHostReads:
         (dict(decay=0.99, warmup=True, update_after_step=3, update_every=2), None),
         (dict(decay=0.99, warmup=(5.0, 0.5)), "int"),
         (dict(decay=0.99, warmup=True), "tensor"),
+        (dict(decay=0.99, dtype=torch.bfloat16), None),  # stochastic rounding
     ],
 )
 def test_update_reads_nothing_back_to_the_host(config, step_kind):

@@ -7,15 +7,7 @@ import torch
 from torch import nn
 
 import fused_ema
-from ema_helpers import small_mlp, train_step
-
-
-def trained(model, steps=3, seed=0):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        train_step(model, opt, g)
-    return model
+from ema_helpers import small_mlp, trained
 
 
 def snapshot(ema):
@@ -68,7 +60,7 @@ def test_error_lists_every_added_removed_reshaped_and_replaced_name():
 def test_inserted_module_keeps_every_tensors_own_average(how):
     # Pairing by position, or by name, would average the new layer into the old one's EMA.
     torch.manual_seed(1)
-    model = trained(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)))
+    model = trained(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)), 3)
     ema = fused_ema.ModelEma(model, decay=0.5, on_mismatch="resync")
     ema.update(model)
     trained(model, 1, seed=5)
@@ -160,7 +152,7 @@ def test_meta_model_then_to_empty_and_resync():
 
 def test_resync_mode_follows_a_replaced_head():
     torch.manual_seed(2)
-    model = trained(small_mlp())
+    model = trained(small_mlp(), 3)
     ema = fused_ema.ModelEma(model, decay=0.9, on_mismatch="resync")
     ema.update(model)
     kept = ema.module[0].weight.detach().clone()
@@ -201,7 +193,7 @@ def test_reshaped_in_place_is_detected():
 
 def test_swapped_puts_ema_in_place_and_restores_after_an_exception():
     torch.manual_seed(4)
-    model = trained(small_mlp())
+    model = trained(small_mlp(), 3)
     ema = fused_ema.ModelEma(model, decay=0.5)
     ema.update(model)
     trained(model, 2, seed=5)
@@ -225,7 +217,7 @@ def test_swapped_puts_ema_in_place_and_restores_after_an_exception():
 
 def test_swapped_with_a_bf16_model_and_fp32_ema():
     torch.manual_seed(6)
-    model = trained(small_mlp(torch.bfloat16))
+    model = trained(small_mlp(torch.bfloat16), 3)
     ema = fused_ema.ModelEma(model, decay=0.5)
     ema.update(model)
     trained(model, 2, seed=7)
@@ -241,7 +233,7 @@ def test_swapped_with_a_bf16_model_and_fp32_ema():
 
 def test_copy_to_writes_by_name():
     torch.manual_seed(8)
-    model = trained(small_mlp())
+    model = trained(small_mlp(), 3)
     ema = fused_ema.ModelEma(model, decay=0.5)
     ema.update(model)
     trained(model, 2, seed=9)
