@@ -13,6 +13,7 @@ Also here: whether the planned stochastic-rounding API of fused_ema exists yet
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -93,4 +94,59 @@ def model_ema_stochastic_missing() -> str | None:
     ]
     if missing:
         return f"pending: fused_ema.ModelEma has no {', '.join(missing)} keyword yet"
+    return None
+
+
+# ---------------------------------------------------------------------- migration peers
+
+
+def _import(module: str, package: str, install: str):
+    try:
+        return importlib.import_module(module)
+    except Exception as err:  # missing, or broken by a dependency (e.g. torchvision)
+        raise PeerUnavailable(
+            f"{package} is not usable: cannot import {module} ({type(err).__name__}: {err}); "
+            f"install it with `{install}`"
+        ) from err
+
+
+def load_ema_pytorch() -> ModuleType:
+    """ema_pytorch (its EMA class)."""
+    return _import("ema_pytorch", "ema-pytorch", "pip install --no-deps ema-pytorch")
+
+
+def load_torch_ema() -> ModuleType:
+    """torch_ema (its ExponentialMovingAverage)."""
+    return _import("torch_ema", "torch-ema", "pip install --no-deps torch-ema")
+
+
+def load_diffusers() -> ModuleType:
+    """diffusers.training_utils (EMAModel), with diffusers.ModelMixin and ConfigMixin reachable
+    from it as `module.ModelMixin`, `module.ConfigMixin`, `module.register_to_config`."""
+    install = "pip install --no-deps diffusers==0.42.1 huggingface-hub safetensors regex"
+    module = _import("diffusers.training_utils", "diffusers", install)
+    configuration = _import("diffusers.configuration_utils", "diffusers", install)
+    modeling = _import("diffusers.models.modeling_utils", "diffusers", install)
+    module.ConfigMixin = configuration.ConfigMixin
+    module.register_to_config = configuration.register_to_config
+    module.ModelMixin = modeling.ModelMixin
+    return module
+
+
+def load_lightning() -> ModuleType:
+    """lightning.pytorch, with its EMAWeightAveraging callback (Lightning >= 2.6)."""
+    install = "pip install --no-deps lightning lightning-utilities torchmetrics"
+    module = _import("lightning.pytorch", "lightning", install)
+    callbacks = _import("lightning.pytorch.callbacks", "lightning", install)
+    if not hasattr(callbacks, "EMAWeightAveraging"):
+        raise PeerUnavailable(f"lightning {module.__version__} has no EMAWeightAveraging")
+    return module
+
+
+def missing(loader) -> str | None:
+    """Why `loader` (one of the load_* functions above) fails, or None."""
+    try:
+        loader()
+    except PeerUnavailable as err:
+        return str(err)
     return None

@@ -17,10 +17,12 @@ constexpr const char* kOp = "fused_ema.ema_schedule_: ";
 constexpr const char* kFieldRules[kNumConfigFields] = {
     "decay must be in [0, 1]",
     "min_decay must be in [0, decay]",
-    "warmup_gamma must be finite (<= 0: no warmup)",
-    "warmup_power must be finite, and > 0 when warmup_gamma > 0",
+    "warmup_gamma must be finite, and > 0 with the power warmup",
+    "warmup_power must be finite, and > 0 with the power warmup",
     "update_after_step must be an integer in [0, 2**53]",
     "update_every must be an integer in [1, 2**53]",
+    "warmup_kind must be 0 (none), 1 (power), 2 (diffusers) or 3 (torch_ema)",
+    "update_every_decay must be 0 (compensated) or 1 (plain)",
 };
 
 }  // namespace
@@ -36,8 +38,9 @@ void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
   TORCH_CHECK_VALUE(config.scalar_type() == at::kDouble && config.numel() == kNumConfigFields &&
                         config.is_contiguous(),
                     kOp,
-                    "config must be 6 contiguous float64 elements (decay, min_decay, "
-                    "warmup_gamma, warmup_power, update_after_step, update_every), got ",
+                    "config must be 8 contiguous float64 elements (decay, min_decay, "
+                    "warmup_gamma, warmup_power, update_after_step, update_every, warmup_kind, "
+                    "update_every_decay), got ",
                     dtype_name(config.scalar_type()), " of shape ", config.sizes());
   TORCH_CHECK(out.device() == step.device(), kOp, "out is on ", out.device(), " but step is on ",
               step.device());

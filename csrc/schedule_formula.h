@@ -1,9 +1,12 @@
 // The EMA decay schedule, one formula for the host and the device so that a step counter, its
 // configuration and its weight can live in device tensors (no host sync; capturable in a CUDA
 // graph).
-//   s = step - update_after_step - 1 (averaging steps so far); s <= 0: copy the model (decay 0)
-//   decay_s = warmup ? clamp(1 - (1 + s / gamma)^-power, min_decay, decay) : decay
-//   an update happens when (step - 1) % every == 0, with weight 1 - decay_s^every; else weight 0
+//   s = step - update_after_step - 1 (averaging steps so far; torch_ema warmup: without the - 1,
+//   as torch_ema averages from its first update); s <= 0: copy the model (decay 0)
+//   decay_s = clamp(ramp(s), min_decay, decay), ramp by warmup kind: none: decay; power:
+//   1 - (1 + s / gamma)^-power; diffusers and torch_ema: (1 + s) / (10 + s)
+//   an update happens when (step - 1) % every == 0, with weight 1 - decay_s^every (or
+//   1 - decay_s with plain update_every decay); else weight 0
 #pragma once
 
 #include <cmath>
@@ -25,11 +28,21 @@ constexpr int64_t kMaxStep = int64_t{1} << 53;
 enum ConfigField : int {
   kDecay,
   kMinDecay,
-  kWarmupGamma,  // <= 0: no warmup
+  kWarmupGamma,  // used by the power warmup only
   kWarmupPower,
   kUpdateAfterStep,
   kUpdateEvery,
+  kWarmupKind,        // a WarmupKind
+  kUpdateEveryDecay,  // 0: decay^every per update (compensated), 1: decay (plain)
   kNumConfigFields,
+};
+
+enum WarmupKind : int {
+  kNoWarmup,
+  kPowerWarmup,      // timm, ema-pytorch, diffusers use_ema_warmup=True
+  kDiffusersWarmup,  // diffusers use_ema_warmup=False
+  kTorchEmaWarmup,   // torch_ema use_num_updates=True
+  kNumWarmupKinds,
 };
 
 struct Schedule {
@@ -39,6 +52,8 @@ struct Schedule {
   double warmup_power;
   int64_t update_after_step;
   int64_t update_every;
+  int warmup_kind;
+  bool plain_every;
 };
 
 struct ScheduledWeight {
@@ -64,10 +79,11 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   if (!(config[kMinDecay] >= 0.0 && config[kMinDecay] <= decay)) {
     return kMinDecay;
   }
-  if (!finite(gamma)) {
+  const bool power_warmup = config[kWarmupKind] == kPowerWarmup;
+  if (!finite(gamma) || (power_warmup && !(gamma > 0.0))) {
     return kWarmupGamma;
   }
-  if (!finite(power) || (gamma > 0.0 && !(power > 0.0))) {
+  if (!finite(power) || (power_warmup && !(power > 0.0))) {
     return kWarmupPower;
   }
   if (!whole_in(config[kUpdateAfterStep], 0.0, max_step)) {
@@ -75,6 +91,12 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   }
   if (!whole_in(config[kUpdateEvery], 1.0, max_step)) {
     return kUpdateEvery;
+  }
+  if (!whole_in(config[kWarmupKind], 0.0, kNumWarmupKinds - 1.0)) {
+    return kWarmupKind;
+  }
+  if (!whole_in(config[kUpdateEveryDecay], 0.0, 1.0)) {
+    return kUpdateEveryDecay;
   }
   return kNumConfigFields;
 }
@@ -86,7 +108,9 @@ FUSED_EMA_HOST_DEVICE inline Schedule schedule_from_config(const double* config)
           config[kWarmupGamma],
           config[kWarmupPower],
           static_cast<int64_t>(config[kUpdateAfterStep]),
-          static_cast<int64_t>(config[kUpdateEvery])};
+          static_cast<int64_t>(config[kUpdateEvery]),
+          static_cast<int>(config[kWarmupKind]),
+          config[kUpdateEveryDecay] != 0.0};
 }
 
 // step + 1, wrapping instead of overflowing (a wrapped step is out of range: weight 0).
@@ -98,20 +122,28 @@ FUSED_EMA_HOST_DEVICE inline ScheduledWeight scheduled_weight(const Schedule& sc
   if (step < 0 || step > kMaxStep) {
     return {0.0, 0.0};
   }
-  const int64_t s = step - sc.update_after_step - 1;
+  // torch_ema counts its ramp from its first update, diffusers from its first averaging one.
+  const int64_t s = step - sc.update_after_step - (sc.warmup_kind == kTorchEmaWarmup ? 0 : 1);
+  const auto x = static_cast<double>(s);
   double decay = sc.decay;
   if (s <= 0) {
     decay = 0.0;
-  } else if (sc.warmup_gamma > 0) {
-    const double ramp = 1.0 - pow(1.0 + static_cast<double>(s) / sc.warmup_gamma, -sc.warmup_power);
+  } else if (sc.warmup_kind != kNoWarmup) {
+    double ramp = 0.0;
+    if (sc.warmup_kind == kPowerWarmup) {
+      ramp = 1.0 - pow(1.0 + x / sc.warmup_gamma, -sc.warmup_power);
+    } else {
+      ramp = (1.0 + x) / (10.0 + x);
+    }
     decay = fmax(fmin(ramp, sc.decay), sc.min_decay);
   }
   const int64_t phase = ((step - 1) % sc.update_every + sc.update_every) % sc.update_every;
   if (phase != 0) {
     return {0.0, decay};
   }
-  const double kept =
-      sc.update_every == 1 ? decay : pow(decay, static_cast<double>(sc.update_every));
+  const double kept = sc.update_every == 1 || sc.plain_every
+                          ? decay
+                          : pow(decay, static_cast<double>(sc.update_every));
   return {1.0 - kept, decay};
 }
 

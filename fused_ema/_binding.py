@@ -28,7 +28,7 @@ class Binding:
         self.policy = policy
         self.on_mismatch = on_mismatch
         self.seed = seed  # stochastic rounding of 16-bit EMA tensors; None: round to nearest
-        tracked = named_tensors(model, self.with_buffers)
+        tracked = policy.select(named_tensors(model, self.with_buffers), warn_unused=True)
         with torch.no_grad():
             self.table = EntryTable([policy.new_entry(t) for t in tracked])
         self.plan: UpdatePlan | None = None
@@ -38,6 +38,10 @@ class Binding:
     @property
     def with_buffers(self) -> bool:
         return self.policy.buffers != "ignore"
+
+    def tracked(self, model: nn.Module) -> list:
+        """The model's tensors this EMA follows (without those ignore_names leaves out)."""
+        return self.policy.select(named_tensors(model, self.with_buffers))
 
     def schedule_device(self, table: EntryTable | None = None) -> torch.device:
         """Where the step counter lives: with the first EMA tensor that is not on the CPU."""
@@ -55,7 +59,7 @@ class Binding:
         plan = self.plan
         if plan is not None and plan.snapshot == snapshot and plan.matches(walk, names):
             return plan, None
-        tracked = named_tensors(model, self.with_buffers)
+        tracked = self.tracked(model)
         refuse_unsharded(self.table.by_name, tracked)
         table = self.table
         changes = table.changes(tracked)
@@ -74,7 +78,7 @@ class Binding:
         return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
 
     def resync(self, ema, model: nn.Module, schedule) -> None:
-        tracked = named_tensors(model, self.with_buffers)
+        tracked = self.tracked(model)
         refuse_unsharded(self.table.by_name, tracked)
         with torch.no_grad():
             table = self.table.followed(tracked, self.policy)
@@ -112,7 +116,7 @@ class Binding:
         except BaseException:
             for tensor, before, _ in moves:
                 tensor.data = before
-            self.table.rebind(named_tensors(model, self.with_buffers))
+            self.table.rebind(self.tracked(model))
             raise
         self.table, self.plan, self.module = table, plan, module
         self.model_ref = weakref.ref(model)
@@ -127,7 +131,7 @@ class Binding:
 
     def pairs_with(self, model: nn.Module) -> list:
         """(name, EMA tensor, model tensor) for every entry, matched by name and shape."""
-        tracked = named_tensors(model, self.with_buffers)
+        tracked = self.tracked(model)
         refuse_unsharded(self.table.by_name, tracked)
         changes = self.table.changes(tracked)
         if changes.added or changes.removed or changes.reshaped or changes.renamed:

@@ -15,7 +15,17 @@ from ._loader import _C
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
 MAX_STEP = int(_C.MAX_STEP)
 DEFAULT_WARMUP = (1.0, 2.0 / 3.0)  # timm's and ema-pytorch's (gamma, power)
-OPTION_KEYS = ("decay", "min_decay", "warmup", "update_after_step", "update_every")
+OPTION_KEYS = (
+    "decay",
+    "min_decay",
+    "warmup",
+    "update_after_step",
+    "update_every",
+    "update_every_decay",
+)
+# The (1 + s) / (10 + s) ramps, by the peer that counts s that way (csrc/schedule_formula.h).
+RAMP_WARMUPS = {"diffusers": 2, "torch_ema": 3}
+EVERY_DECAYS = ("compensated", "plain")
 
 
 def _real(name: str, value, low: float, high: float) -> float:
@@ -43,30 +53,50 @@ def whole_number(name: str, value, low: int, high: int = MAX_STEP) -> int:
     return number
 
 
-def check_options(decay, min_decay=0.0, warmup=False, update_after_step=0, update_every=1):
-    """The schedule options, validated and normalised (warmup: None or (gamma, power))."""
+def check_options(
+    decay,
+    min_decay=0.0,
+    warmup=False,
+    update_after_step=0,
+    update_every=1,
+    update_every_decay="compensated",
+):
+    """The schedule options, validated and normalised (warmup: None, (gamma, power), "diffusers"
+    or "torch_ema")."""
     decay = _real("decay", decay, 0.0, 1.0)
     min_decay = _real("min_decay", min_decay, 0.0, decay)
     if warmup is True:
         warmup = DEFAULT_WARMUP
     if warmup is False or warmup is None:
         warmup = None
+    elif isinstance(warmup, str):
+        if warmup not in RAMP_WARMUPS:
+            raise ValueError(
+                f"warmup must be False, True, (gamma, power), 'diffusers' or 'torch_ema', "
+                f"got {warmup!r}"
+            )
     else:
         try:
             gamma, power = (float(v) for v in warmup)
         except (TypeError, ValueError):
             raise ValueError(
-                f"warmup must be False, True or (gamma, power), got {warmup!r}"
+                "warmup must be False, True, (gamma, power), 'diffusers' or 'torch_ema', "
+                f"got {warmup!r}"
             ) from None
         if not (0 < gamma < math.inf and 0 < power < math.inf):
             raise ValueError(f"warmup gamma and power must be positive and finite, got {warmup!r}")
         warmup = (gamma, power)
+    if update_every_decay not in EVERY_DECAYS:
+        raise ValueError(
+            f"update_every_decay must be one of {EVERY_DECAYS}, got {update_every_decay!r}"
+        )
     return {
         "decay": decay,
         "min_decay": min_decay,
         "warmup": warmup,
         "update_after_step": whole_number("update_after_step", update_after_step, 0),
         "update_every": whole_number("update_every", update_every, 1),
+        "update_every_decay": update_every_decay,
     }
 
 
@@ -102,7 +132,12 @@ def options_from_state(schedule) -> dict:
 
 
 def _config_values(options: dict) -> list[float]:
-    gamma, power = options["warmup"] or (0.0, 1.0)
+    warmup = options["warmup"]
+    gamma, power, kind = 0.0, 1.0, 0.0
+    if isinstance(warmup, str):
+        kind = float(RAMP_WARMUPS[warmup])
+    elif warmup is not None:
+        (gamma, power), kind = warmup, 1.0
     return [
         options["decay"],
         options["min_decay"],
@@ -110,6 +145,8 @@ def _config_values(options: dict) -> list[float]:
         power,
         float(options["update_after_step"]),
         float(options["update_every"]),
+        kind,
+        float(EVERY_DECAYS.index(options["update_every_decay"])),
     ]
 
 
@@ -168,6 +205,14 @@ class Schedule:
                         f"step must be a whole number in [0, {MAX_STEP}], got {int(step)}"
                     ) from None
             return step
+        return whole_number("step", step, 0)
+
+    def as_value(self, step) -> int:
+        """A step to set (ema.step = ..., load_state_dict(step=)) as an int, checked like an
+        update's step."""
+        if isinstance(step, torch.Tensor):
+            self.check_step(step)
+            step = int(step.reshape(()).item())
         return whole_number("step", step, 0)
 
     def begin(self, step) -> None:

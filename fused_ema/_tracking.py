@@ -7,7 +7,11 @@ and torch.compile wrappers are unwrapped and FSDP1 / activation-checkpoint name 
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import glob
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -158,16 +162,106 @@ class Entry:
         return {**self.__dict__, "bound": unbound}
 
 
+def check_name_patterns(what: str, value) -> tuple[str, ...]:
+    """Name patterns (an exact name, a module name, or an fnmatch glob), validated: None, one
+    string, or an iterable of non-empty strings."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    try:
+        items = list(value)
+    except TypeError:
+        raise ValueError(
+            f"{what} must be a name, a module name or a glob, or a list of them; got "
+            f"{type(value).__name__} {value!r}"
+        ) from None
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(
+                f"{what} must hold non-empty strings (names, module names or globs), got "
+                f"{type(item).__name__} {item!r}"
+            )
+    return tuple(dict.fromkeys(items))
+
+
+def prefix_patterns(prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    """Globs matching every name that starts with one of `prefixes` (ema-pytorch's
+    ignore_startswith_names: plain string prefixes)."""
+    return tuple(glob.escape(p) + "*" for p in prefixes)
+
+
+class NameFilter:
+    """Matches tensor names against patterns: a name equal to a pattern, under a module of that
+    name ("head" matches "head.weight"), or matched by it as an fnmatch glob (*, ?, [...])."""
+
+    def __init__(self, patterns: tuple[str, ...]):
+        self.patterns = patterns
+        self._exact = set(patterns)
+        globs = [fnmatch.translate(p) for p in patterns if glob.has_magic(p)]
+        self._glob = re.compile("|".join(globs)) if globs else None
+
+    def __call__(self, name: str) -> bool:
+        if name in self._exact:
+            return True
+        if self._glob is not None and self._glob.match(name):
+            return True
+        parts = name.split(".")
+        return any(".".join(parts[:k]) in self._exact for k in range(1, len(parts)))
+
+    def matches_any(self, names) -> bool:
+        return bool(self.patterns) and any(self(n) for n in names)
+
+    def unused(self, names) -> list[str]:
+        """The patterns that match none of `names`."""
+        return [p for p in self.patterns if not any(NameFilter((p,))(n) for n in names)]
+
+
 @dataclass
 class EntryPolicy:
-    """How a model tensor becomes an EMA entry: where it lives, in which dtype, averaged or not."""
+    """How a model tensor becomes an EMA entry: where it lives, in which dtype, averaged, copied
+    or left out. A tensor follows the rule of any of its names (tied weights have several):
+    `ignore` before `copy` before averaging, as ema-pytorch checks them."""
 
     device: torch.device | None
     dtype: torch.dtype | None
     buffers: str
+    copy: tuple = ()  # name patterns copied from the model at every update, not averaged
+    ignore: tuple = ()  # name patterns left out of the EMA
 
-    def averages(self, t: torch.Tensor, kind: str) -> bool:
-        return t.is_floating_point() and (kind == PARAM or self.buffers == "average")
+    def filters(self) -> dict:
+        """The name filters as state_dict() saves them."""
+        return {"copy_names": list(self.copy), "ignore_names": list(self.ignore)}
+
+    @functools.cached_property
+    def copy_filter(self) -> NameFilter:
+        return NameFilter(self.copy)
+
+    @functools.cached_property
+    def ignore_filter(self) -> NameFilter:
+        return NameFilter(self.ignore)
+
+    def select(self, tracked: list[Tracked], warn_unused: bool = False) -> list[Tracked]:
+        """`tracked` without the tensors ignore_names leaves out."""
+        if warn_unused:
+            names = [n for t in tracked for n in t.names]
+            for what, patterns in (("copy_names", self.copy), ("ignore_names", self.ignore)):
+                unused = NameFilter(patterns).unused(names)
+                if unused:
+                    warnings.warn(
+                        f"fused_ema: {what} {unused} match no parameter or buffer of the model "
+                        f"(names look like {names[:3]})",
+                        UserWarning,
+                        stacklevel=4,
+                    )
+        if not self.ignore:
+            return tracked
+        return [t for t in tracked if not self.ignore_filter.matches_any(t.names)]
+
+    def averages(self, t: torch.Tensor, kind: str, names=()) -> bool:
+        if not t.is_floating_point() or (kind != PARAM and self.buffers != "average"):
+            return False
+        return not self.copy_filter.matches_any(names)
 
     def new_entry(self, tracked: Tracked, *, meta_ok: bool = True) -> Entry:
         from ._dtensor import check_averageable, is_dtensor
@@ -179,7 +273,7 @@ class EntryPolicy:
                 "floating-point tensors. Register it as two real parameters (torch.view_as_real) "
                 "or as a buffer (buffers are copied)."
             )
-        average = self.averages(t, tracked.kind)
+        average = self.averages(t, tracked.kind, tracked.names)
         if not average:
             dtype = t.dtype
         elif self.dtype is not None:
@@ -333,3 +427,13 @@ class EntryTable:
             entry = self.by_name.get(t.name)
             if entry is not None:
                 entry.bound = weakref.ref(t.tensor)
+
+
+def name_filters(copy_names, ignore_names, no_ema_names, ignore_prefixes) -> tuple[tuple, tuple]:
+    """ModelEma's (copy, ignore) name patterns, with ema-pytorch's spellings folded in:
+    param_or_buffer_names_no_ema copies, ignore_startswith_names ignores by string prefix."""
+    copy = check_name_patterns("copy_names", copy_names)
+    copy += check_name_patterns("param_or_buffer_names_no_ema", no_ema_names)
+    ignore = check_name_patterns("ignore_names", ignore_names)
+    ignore += prefix_patterns(check_name_patterns("ignore_startswith_names", ignore_prefixes))
+    return tuple(dict.fromkeys(copy)), tuple(dict.fromkeys(ignore))

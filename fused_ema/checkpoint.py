@@ -4,18 +4,24 @@ from, so a switch to fused_ema keeps the average a run has built up.
 | format          | recognised by                             | weights              | step        |
 |-----------------|-------------------------------------------|----------------------|-------------|
 | fused_ema       | format == "fused_ema.ModelEma"            | weights              | step        |
+| Lightning       | averaging_state + state_dict (EMAWeightAv.)| state_dict          | n_averaged  |
 | timm checkpoint | a state_dict_ema (or model_ema) entry     | by name              | not stored  |
 | AveragedModel   | n_averaged + module.*                     | module.*             | n_averaged  |
 | ema-pytorch     | initted + step + ema_model.*              | ema_model.*          | step        |
 | diffusers       | shadow_params + optimization_step         | parameters, in order | optim. step |
+| diffusers folder| a save_pretrained directory (config.json) | by name              | optim. step |
 | torch_ema       | shadow_params + num_updates               | parameters, in order | num_updates |
 | state dict      | every value a tensor (timm ModelEma/V2/V3)| by name              | not stored  |
 
 Names lose a ``module.`` / ``_orig_mod.`` prefix that every key carries (DDP, torch.compile).
+Without a stored step, the EMA loads as started (see loaded_step).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -38,6 +44,7 @@ class ParsedCheckpoint:
     step: int | None = None
     schedule: dict | None = None
     problems: list[str] = field(default_factory=list)
+    filters: dict | None = None  # the name filters a fused_ema checkpoint was saved with
 
 
 def _as_step(value, key: str, problems: list[str]) -> int | None:
@@ -93,6 +100,21 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
             step=_as_step(state.get("step"), "step", problems),
             schedule=state.get("schedule"),
             problems=problems,
+            filters=state.get("filters"),
+        )
+    if isinstance(state.get(PRETRAINED), Mapping):
+        folder = state[PRETRAINED]
+        step = _as_step(folder["config"].get("optimization_step"), "optimization_step", problems)
+        return ParsedCheckpoint(
+            "diffusers save_pretrained", _by_name(folder["weights"]), step=step, problems=problems
+        )
+    if isinstance(state.get("averaging_state"), Mapping) and isinstance(
+        state.get("state_dict"), Mapping
+    ):
+        n = state["averaging_state"].get("n_averaged")
+        step = _as_step(n, "averaging_state.n_averaged", problems)
+        return ParsedCheckpoint(
+            "Lightning WeightAveraging", _by_name(state["state_dict"]), step=step, problems=problems
         )
     for key in ("state_dict_ema", "model_ema"):
         if isinstance(state.get(key), Mapping):
@@ -136,9 +158,60 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
     )
 
 
+PRETRAINED = "fused_ema: save_pretrained folder"  # read_file's wrapping of a folder
+# The weights of a save_pretrained folder (diffusers, transformers), preferred first.
+_WEIGHT_FILES = (
+    "diffusion_pytorch_model.safetensors",
+    "model.safetensors",
+    "diffusion_pytorch_model.bin",
+    "pytorch_model.bin",
+)
+
+
 def read_file(path) -> object:
-    """torch.load onto the CPU (weights only); the EMA maps tensors to its own devices later."""
+    """torch.load onto the CPU (weights only); the EMA maps tensors to its own devices later.
+    A directory is read as a save_pretrained folder (diffusers EMAModel.save_pretrained)."""
+    if os.path.isdir(path):
+        return {PRETRAINED: read_pretrained_folder(path)}
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _read_weights(path: str) -> dict:
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ImportError(f"reading {path} needs the safetensors package") from None
+        return load_file(path, device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_pretrained_folder(path) -> dict:
+    """config.json (where diffusers keeps the EMA's optimization_step) and the weights of a
+    save_pretrained folder, whole or sharded (an *.index.json naming the shards)."""
+    path = os.fspath(path)
+    files = sorted(os.listdir(path))
+    config = {}
+    if "config.json" in files:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("config.json does not hold a JSON object")
+    for name in _WEIGHT_FILES:
+        index = f"{name}.index.json"
+        if index in files:
+            with open(os.path.join(path, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            weights = {}
+            for shard in shards:
+                weights.update(_read_weights(os.path.join(path, shard)))
+            return {"config": config, "weights": weights}
+        if name in files:
+            return {"config": config, "weights": _read_weights(os.path.join(path, name))}
+    raise FileNotFoundError(
+        f"no weights in the folder: expected one of {', '.join(_WEIGHT_FILES)} (or its "
+        f"sharded .index.json), found {', '.join(files) or 'nothing'}"
+    )
 
 
 # ---------------------------------------------------------------------- loading into an EMA
@@ -199,18 +272,68 @@ def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device=local(entry.ema).device, dtype=entry.ema.dtype)
 
 
-def prepare_load(table, state, strict: bool, source: str, options_from_state) -> PreparedLoad:
+def loaded_step(parsed: ParsedCheckpoint, step: int | None, options: dict) -> int:
+    """The step an EMA continues from: `step` when given, else the checkpoint's, else (timm's
+    checkpoints and plain state dicts store none) update_after_step + 1, the step of the copy
+    that starts an average: the next update averages, as the peer would have."""
+    if step is not None:
+        return step
+    if parsed.step is not None:
+        return parsed.step
+    started = options["update_after_step"] + 1
+    if options["warmup"] is not None:
+        warnings.warn(
+            f"fused_ema: this {parsed.format} stores no step, so the EMA loads at step {started} "
+            "(started): with warmup on, the next update uses the warmup's first decay. Pass "
+            "load_state_dict(..., step=N) or update(model, step=N) with the run's step count.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return started
+
+
+def _filter_problems(saved, policy) -> list[str]:
+    """A fused_ema checkpoint saved with other name filters than this EMA's."""
+    if saved is None or policy is None:
+        return []
+    mine = policy.filters()
+    if not isinstance(saved, Mapping) or set(saved) != set(mine):
+        return [f"filters: expected copy_names and ignore_names, got {saved!r}"]
+    if all(set(saved[k]) == set(mine[k]) for k in mine):
+        return []
+    return [
+        f"saved with copy_names={list(saved['copy_names'])}, "
+        f"ignore_names={list(saved['ignore_names'])}; this EMA has "
+        f"copy_names={mine['copy_names']}, ignore_names={mine['ignore_names']} "
+        "(strict=False loads the tensors the two share)"
+    ]
+
+
+def prepare_load(
+    table,
+    state,
+    strict: bool,
+    source: str,
+    options_from_state,
+    policy=None,
+    step: int | None = None,
+    options: dict | None = None,
+) -> PreparedLoad:
     """Checks `state` against the EMA's entries and converts its tensors; raises one
-    CheckpointError listing every problem, before anything of the EMA changes."""
+    CheckpointError listing every problem, before anything of the EMA changes. Keys that the
+    EMA's ignore_names leave out are skipped. `step` (validated) overrides the checkpoint's;
+    `options` are the EMA's current schedule options."""
     parsed = parse_checkpoint(state)
     fatal = list(parsed.problems)  # nothing can be loaded while any of these stands
     weights = parsed.weights
     if parsed.positional is not None:
         weights = _positional(table.entries, parsed.positional, fatal)
-    options = None
+    if weights and policy is not None and policy.ignore:
+        weights = {k: v for k, v in weights.items() if not policy.ignore_filter(k)}
+    new_options = None
     if parsed.schedule is not None:
         try:
-            options = options_from_state(parsed.schedule)
+            new_options = options_from_state(parsed.schedule)
         except (TypeError, ValueError) as err:
             fatal.append(f"schedule: {err}")
     pairs, problems, mismatched, covered = [], [], [], set()
@@ -227,9 +350,11 @@ def prepare_load(table, state, strict: bool, source: str, options_from_state) ->
             pairs.append((entry, tensor))
     missing = [e.name for e in table.entries if id(e) not in covered]
     unexpected = [k for k in (weights or {}) if k not in table.by_name]
-    if fatal or (strict and (problems or missing or unexpected)):
+    filters = _filter_problems(parsed.filters, policy)
+    if fatal or (strict and (problems or missing or unexpected or filters)):
         listed = fatal + problems
         if strict:
+            listed += filters
             listed += [f"missing from the checkpoint: {k}" for k in missing]
             listed += [f"not in this EMA: {k}" for k in unexpected]
         raise CheckpointError(listed, source)
@@ -241,4 +366,5 @@ def prepare_load(table, state, strict: bool, source: str, options_from_state) ->
             source,
         ) from err
     result = LoadResult(parsed.format, missing, unexpected, mismatched)
-    return PreparedLoad(values, parsed.step, options, result)
+    final_step = loaded_step(parsed, step, new_options or options) if options else parsed.step
+    return PreparedLoad(values, final_step, new_options, result)

@@ -34,6 +34,7 @@ from ._stats import ema_stats
 from ._swap import Swap, check_writable, copy_all
 from ._tracking import (
     EntryPolicy,
+    name_filters,
     tensor_walk,
     unwrap_model,
 )
@@ -62,7 +63,9 @@ class ModelEma:
         buffers: "average" float buffers and copy the others (num_batches_tracked stays exact),
             "copy" every buffer, or "ignore" buffers.
         warmup: False, True (gamma=1, power=2/3) or (gamma, power): the decay of averaging step
-            s is ``min(decay, max(min_decay, 1 - (1 + s / gamma) ** -power))``.
+            s is ``min(decay, max(min_decay, 1 - (1 + s / gamma) ** -power))``; "diffusers":
+            ``(1 + s) / (10 + s)`` instead (diffusers' use_ema_warmup=False); "torch_ema": that
+            ramp counted from the first update, which averages too (torch_ema's num_updates).
         min_decay: lower bound of the warmup decay.
         update_after_step: steps up to ``update_after_step + 1`` copy the model.
         update_every: update on steps 1, 1 + k, 1 + 2k, ... with ``decay ** k``.
@@ -75,6 +78,12 @@ class ModelEma:
             every DDP rank, every FSDP2 shard layout and a resumed run give the same bits.
         use_warmup, warmup_gamma, warmup_power, exclude_buffers, foreach: timm ModelEmaV3's
             spellings, accepted so that it can be swapped in unchanged.
+        update_every_decay: "compensated" (``decay ** update_every`` per update, the same average
+            as updating every step) or "plain" (``decay``, as ema-pytorch and Lightning do).
+        copy_names, ignore_names: tensors to copy from the model instead of averaging, or to leave
+            out of the EMA, by exact name, module name ("head" covers "head.weight") or fnmatch
+            glob ("*.running_*"). param_or_buffer_names_no_ema and ignore_startswith_names
+            (ema-pytorch's spellings) add to them.
     """
 
     def __init__(
@@ -97,6 +106,11 @@ class ModelEma:
         warmup_power: float = 2.0 / 3.0,
         exclude_buffers: bool | None = None,
         foreach: bool | None = None,  # noqa: ARG002  (timm's option; always fused here)
+        update_every_decay: str = "compensated",
+        copy_names=None,
+        ignore_names=None,
+        param_or_buffer_names_no_ema=None,
+        ignore_startswith_names=None,
     ):
         if use_warmup is not None:
             warmup = (warmup_gamma, warmup_power) if use_warmup else False
@@ -108,9 +122,15 @@ class ModelEma:
             raise ValueError(f"on_mismatch must be one of {MISMATCH_MODES}, got {on_mismatch!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-        options = check_options(decay, min_decay, warmup, update_after_step, update_every)
+        options = check_options(
+            decay, min_decay, warmup, update_after_step, update_every, update_every_decay
+        )
         self._rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
-        policy = EntryPolicy(torch.device(device) if device is not None else None, dtype, buffers)
+        names = name_filters(
+            copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names
+        )
+        where = torch.device(device) if device is not None else None
+        policy = EntryPolicy(where, dtype, buffers, *names)
         self._init_transient()
         self._binding = Binding(self, unwrap_model(model), policy, on_mismatch, self._seed())
         self._schedule = Schedule(options, self._binding.schedule_device())
@@ -135,6 +155,13 @@ class ModelEma:
         """Updates counted so far (or the last step passed to update). Reads a device tensor."""
         self.synchronize()
         return self._schedule.value()
+
+    @step.setter
+    def step(self, value) -> None:
+        """Sets the counter (a whole number in [0, MAX_STEP] or an integer tensor, checked like
+        update(step=)): the next update without a step is step value + 1."""
+        self._ready("step setter")
+        self._schedule.load(None, self._schedule.as_value(value))
 
     @property
     def current_decay(self) -> float:
@@ -338,9 +365,10 @@ class ModelEma:
             "schedule": self.schedule,
             "rounding": dict(self._rounding),
             "buffers": self.buffers,
+            "filters": self._binding.policy.filters(),
         }
 
-    def load_state_dict(self, state, strict: bool = True) -> LoadResult:
+    def load_state_dict(self, state, strict: bool = True, step=None) -> LoadResult:
         """Restores an EMA from `state` (or a file path): fused_ema's own state_dict, a model
         state dict, or a checkpoint of timm, AveragedModel, ema-pytorch, diffusers or torch_ema.
 
@@ -348,8 +376,14 @@ class ModelEma:
         the EMA's devices before anything changes; all problems are reported in one
         CheckpointError and the EMA is left as it was. With strict=False what matches is loaded
         and the rest is reported in the returned LoadResult.
+
+        A path to a directory reads a diffusers ``save_pretrained`` folder. The EMA continues
+        from `step` when given, else from the checkpoint's step, else (timm's checkpoints and
+        plain state dicts store none) from update_after_step + 1: it has started, and the next
+        update averages.
         """
         self._ready("load_state_dict")
+        step = None if step is None else self._schedule.as_value(step)
         source = "checkpoint"
         if isinstance(state, (str, os.PathLike)):
             source = f"checkpoint file {os.fspath(state)!r}"
@@ -359,7 +393,16 @@ class ModelEma:
                 raise CheckpointError(
                     [f"could not read it: {type(err).__name__}: {err}"], source
                 ) from err
-        prepared = prepare_load(self._binding.table, state, strict, source, options_from_state)
+        prepared = prepare_load(
+            self._binding.table,
+            state,
+            strict,
+            source,
+            options_from_state,
+            self._binding.policy,
+            step,
+            self._schedule.options,
+        )
         rounding = None
         if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:
             try:

@@ -18,3 +18,11 @@ def require(reason):
     """Skip with `reason` when it is not None (the *_missing() checks of benchmarks.peers)."""
     if reason:
         pytest.skip(reason)
+
+
+def peer(loader):
+    """The module a benchmarks.peers.load_* function returns, or skip saying why."""
+    try:
+        return loader()
+    except peers.PeerUnavailable as err:
+        pytest.skip(str(err))
