@@ -13,27 +13,39 @@ from fused_ema._loader import _C
 
 op = torch.ops.fused_ema.ema_schedule_
 MAX_STEP = 2**53
-FIELDS = ("decay", "min_decay", "warmup_gamma", "warmup_power", "update_after_step", "update_every")
+FIELDS = (
+    "decay",
+    "min_decay",
+    "warmup_gamma",
+    "warmup_power",
+    "update_after_step",
+    "update_every",
+    "warmup_kind",
+    "update_every_decay",
+)
+NONE, POWER, DIFFUSERS, TORCH_EMA = 0, 1, 2, 3  # warmup_kind
 
 
 def reference(config, step):
     """(weight, decay) of `step`, written from the README's description of the schedule."""
-    decay, min_decay, gamma, power, after, every = config
+    decay, min_decay, gamma, power, after, every, kind, plain = config
     if step < 0 or step > MAX_STEP:
         return 0.0, 0.0
-    averaged = step - int(after) - 1
+    averaged = step - int(after) - (0 if kind == TORCH_EMA else 1)
     if averaged <= 0:
         d = 0.0
-    elif gamma > 0:
+    elif kind == POWER:
         d = max(min_decay, min(decay, 1.0 - (1.0 + averaged / gamma) ** -power))
+    elif kind in (DIFFUSERS, TORCH_EMA):
+        d = max(min_decay, min(decay, (1.0 + averaged) / (10.0 + averaged)))
     else:
         d = decay
     if (step - 1) % int(every) != 0:
         return 0.0, d
-    return 1.0 - d ** int(every), d
+    return 1.0 - (d if plain else d ** int(every)), d
 
 
-def tensors(device, step=0, config=(0.999, 0.0, 0.0, 1.0, 0, 1)):
+def tensors(device, step=0, config=(0.999, 0.0, 0.0, 1.0, 0, 1, 0, 0)):
     return (
         torch.tensor(step, dtype=torch.int64, device=device),
         torch.zeros(2, dtype=torch.float64, device=device),
@@ -44,7 +56,11 @@ def tensors(device, step=0, config=(0.999, 0.0, 0.0, 1.0, 0, 1)):
 def random_config(rng):
     decay = rng.choice([0.0, 1.0, 0.5, 0.9, 0.999, 0.9999, rng.random()])
     min_decay = rng.choice([0.0, decay * rng.random(), decay])
-    gamma, power = rng.choice([(0.0, 1.0), (-1.0, 0.0), (1.0, 0.75), (rng.uniform(0.1, 50), 2 / 3)])
+    kind = rng.choice([NONE, POWER, DIFFUSERS, TORCH_EMA])
+    if kind == POWER:
+        gamma, power = rng.choice([(1.0, 0.75), (rng.uniform(0.1, 50), 2 / 3)])
+    else:  # ignored by the other kinds, whatever they hold
+        gamma, power = rng.choice([(0.0, 1.0), (-1.0, 0.0), (3.0, 0.5)])
     return (
         decay,
         min_decay,
@@ -52,6 +68,8 @@ def random_config(rng):
         power,
         float(rng.choice([0, 0, 1, 3, rng.randrange(20)])),
         float(rng.choice([1, 1, 2, 3, rng.randrange(1, 9)])),
+        float(kind),
+        float(rng.choice([0, 1])),
     )
 
 
@@ -75,7 +93,7 @@ def test_formula_over_steps_and_configs(device):
 
 
 def test_advance_increments_then_schedules(device):
-    config = (0.99, 0.1, 2.0, 0.75, 2.0, 3.0)
+    config = (0.99, 0.1, 2.0, 0.75, 2.0, 3.0, POWER, 0)
     step, out, cfg = tensors(device, step=-1, config=config)
     weights = []
     for expected_step in range(0, 40):
@@ -90,7 +108,7 @@ def test_advance_increments_then_schedules(device):
 
 @pytest.mark.parametrize("value", [-1, -2, -(2**40), MAX_STEP + 1, 2**62, 2**63 - 1])
 def test_steps_out_of_range_do_nothing(device, value):
-    step, out, cfg = tensors(device, step=value, config=(0.5, 0.0, 0.0, 1.0, 0, 1))
+    step, out, cfg = tensors(device, step=value, config=(0.5, 0.0, 0.0, 1.0, 0, 1, 0, 0))
     out.fill_(7.0)
     op(step, out, cfg, False)
     assert out.cpu().tolist() == [0.0, 0.0]
@@ -98,7 +116,7 @@ def test_steps_out_of_range_do_nothing(device, value):
 
 
 def test_advance_past_the_limits(device):
-    step, out, cfg = tensors(device, step=MAX_STEP - 1, config=(0.5, 0.0, 0.0, 1.0, 0, 1))
+    step, out, cfg = tensors(device, step=MAX_STEP - 1, config=(0.5, 0.0, 0.0, 1.0, 0, 1, 0, 0))
     op(step, out, cfg, True)
     assert int(step) == MAX_STEP and out.cpu().tolist() == [0.5, 0.5]
     op(step, out, cfg, True)
@@ -112,7 +130,7 @@ def test_max_step_is_exported():
     assert _C.MAX_STEP == MAX_STEP
 
 
-GOOD = (0.9, 0.1, 0.0, 1.0, 2.0, 3.0)
+GOOD = (0.9, 0.1, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0)
 BAD_FIELDS = [
     (0, -0.1),
     (0, 1.5),
@@ -132,6 +150,14 @@ BAD_FIELDS = [
     (5, 2.5),
     (5, float(MAX_STEP + 2)),
     (5, math.nan),
+    (6, -1.0),
+    (6, 4.0),
+    (6, 1.5),
+    (6, math.nan),
+    (7, -1.0),
+    (7, 2.0),
+    (7, 0.5),
+    (7, math.inf),
 ]
 
 
@@ -147,17 +173,25 @@ def test_bad_config_field_is_named(field, value):
 
 
 @pytest.mark.parametrize("power", [0.0, -1.0])
-def test_warmup_power_must_be_positive_only_with_warmup(power):
-    step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, 10.0, power, 0, 1))
+@pytest.mark.parametrize("kind", [NONE, DIFFUSERS, TORCH_EMA])
+def test_warmup_power_must_be_positive_only_with_the_power_warmup(power, kind):
+    step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, 10.0, power, 0, 1, POWER, 0))
     with pytest.raises(ValueError, match="config: warmup_power must"):
         op(step, out, cfg, False)
-    step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, 0.0, power, 0, 1))
+    step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, 10.0, power, 0, 1, kind, 0))
     op(step, out, cfg, False)
-    assert out.tolist() == [pytest.approx(0.1), 0.9]
+    assert_out(out, reference((0.9, 0.0, 10.0, power, 0, 1, kind, 0), 5), f"kind {kind}")
+
+
+@pytest.mark.parametrize("gamma", [0.0, -2.0])
+def test_warmup_gamma_must_be_positive_with_the_power_warmup(gamma):
+    step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, gamma, 1.0, 0, 1, POWER, 0))
+    with pytest.raises(ValueError, match="config: warmup_gamma must"):
+        op(step, out, cfg, False)
 
 
 def test_limits_of_the_integer_fields_are_accepted():
-    step, out, cfg = tensors("cpu", step=MAX_STEP, config=(0.5, 0.0, 0.0, 1.0, MAX_STEP, MAX_STEP))
+    step, out, cfg = tensors("cpu", step=MAX_STEP, config=(0.5, 0.0, 0.0, 1.0, MAX_STEP, MAX_STEP, 3, 1))
     op(step, out, cfg, False)
     assert out.tolist() == [0.0, 0.0]  # not past update_after_step yet, and not a phase-0 step
 
@@ -174,13 +208,13 @@ def bad_tensor_cases():
         ("out", torch.zeros(2, dtype=torch.float32), ValueError, "out must be 2 contiguous"),
         ("out", torch.zeros(3, dtype=torch.float64), ValueError, r"out .* shape \[3\]"),
         ("out", torch.zeros(4, dtype=torch.float64)[::2], ValueError, "out must be 2 contiguous"),
-        ("config", torch.tensor(GOOD, dtype=torch.float32), ValueError, "config must be 6"),
-        ("config", torch.tensor(GOOD[:5], dtype=torch.float64), ValueError, r"shape \[5\]"),
+        ("config", torch.tensor(GOOD, dtype=torch.float32), ValueError, "config must be 8"),
+        ("config", torch.tensor(GOOD[:6], dtype=torch.float64), ValueError, r"shape \[6\]"),
         (
             "config",
             torch.tensor(GOOD * 2, dtype=torch.float64)[::2],
             ValueError,
-            "config must be 6 contiguous",
+            "config must be 8 contiguous",
         ),
         ("out", torch.zeros(2, dtype=torch.float64, device="meta"), RuntimeError, "out is on meta"),
         (
@@ -212,7 +246,7 @@ def test_meta_tensors_are_refused():
 
 @pytest.mark.parametrize("advance", [False, True])
 def test_opcheck(device, advance):
-    step, out, cfg = tensors(device, step=7, config=(0.99, 0.5, 3.0, 0.75, 2, 2))
+    step, out, cfg = tensors(device, step=7, config=(0.99, 0.5, 3.0, 0.75, 2, 2, POWER, 1))
     torch.library.opcheck(op, (step, out, cfg, advance))
 
 
@@ -220,7 +254,7 @@ def test_opcheck(device, advance):
 def test_cuda_invalid_config_writes_no_update():
     # The device kernel cannot raise without a sync: a config the caller failed to validate
     # leaves the EMA as it is (weight 0) and marks the decay NaN.
-    step, out, cfg = tensors("cuda", step=3, config=(0.9, 0.0, 0.0, 1.0, 0, 0))
+    step, out, cfg = tensors("cuda", step=3, config=(0.9, 0.0, 0.0, 1.0, 0, 0, 0, 0))
     op(step, out, cfg, True)
     assert int(step) == 4
     weight, decay = out.cpu().tolist()
