@@ -218,8 +218,14 @@ def test_lightning_ema_weight_averaging(tmp_path):
             assert ours.step == BEFORE + 1
     assert_close_to(ours, resumed.state_dict())
     last = record.states[-1]
-    assert sum((resumed.state_dict()[k] - v).abs().sum() for k, v in last.items()
-               if v.is_floating_point()) > 1e-3
+    assert (
+        sum(
+            (resumed.state_dict()[k] - v).abs().sum()
+            for k, v in last.items()
+            if v.is_floating_point()
+        )
+        > 1e-3
+    )
 
 
 # ---------------------------------------------------------------------- ema-pytorch, torch_ema
@@ -234,7 +240,9 @@ def test_ema_pytorch(tmp_path, every, after):
     for _ in range(BEFORE):
         run.next()
         theirs.update()
-    torch.save(theirs.state_dict(), tmp_path / "ema.pt")  # initted, step, ema_model.*, online_model.*
+    torch.save(
+        theirs.state_dict(), tmp_path / "ema.pt"
+    )  # initted, step, ema_model.*, online_model.*
     ours = fused_ema.ModelEma(
         run.model,
         0.99,

@@ -307,7 +307,7 @@ class EmaMachine(RuleBasedStateMachine):
             self.ema.current_decay,
             decay,
         )
-        assert sd["schedule"] == self.options
+        assert sd["schedule"] == {"update_every_decay": "compensated", **self.options}
         module = self.ema.module.state_dict()
         for name in names:
             assert torch.equal(module[name], weights[name]), name

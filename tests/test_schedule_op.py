@@ -191,7 +191,9 @@ def test_warmup_gamma_must_be_positive_with_the_power_warmup(gamma):
 
 
 def test_limits_of_the_integer_fields_are_accepted():
-    step, out, cfg = tensors("cpu", step=MAX_STEP, config=(0.5, 0.0, 0.0, 1.0, MAX_STEP, MAX_STEP, 3, 1))
+    step, out, cfg = tensors(
+        "cpu", step=MAX_STEP, config=(0.5, 0.0, 0.0, 1.0, MAX_STEP, MAX_STEP, 3, 1)
+    )
     op(step, out, cfg, False)
     assert out.tolist() == [0.0, 0.0]  # not past update_after_step yet, and not a phase-0 step
 

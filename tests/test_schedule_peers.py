@@ -27,8 +27,14 @@ DIFFUSERS_SETTINGS = [
     dict(decay=0.995, min_decay=0.3, update_after_step=7, use_ema_warmup=False),
     dict(decay=0.5, min_decay=0.0, update_after_step=2, use_ema_warmup=False),
     dict(decay=0.999, min_decay=0.0, update_after_step=0, use_ema_warmup=True),
-    dict(decay=0.99, min_decay=0.2, update_after_step=5, use_ema_warmup=True, inv_gamma=2.5,
-         power=0.75),
+    dict(
+        decay=0.99,
+        min_decay=0.2,
+        update_after_step=5,
+        use_ema_warmup=True,
+        inv_gamma=2.5,
+        power=0.75,
+    ),
 ]
 
 
