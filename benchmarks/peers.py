@@ -6,6 +6,9 @@ torchvision, and torchvision often has no build that loads against the torch in 
 2.13 only a CUDA build exists, which fails against the CPU torch). model_ema.py itself needs only
 torch, so this is the real ModelEmaV3 and the real `_lerp_stochastic_round_bf16_`.
 
+The migration peers (ema-pytorch, torch_ema, diffusers, Lightning) are imported normally; each
+load_* function raises PeerUnavailable saying why one cannot be used and how to install it.
+
 Also here: whether the planned stochastic-rounding API of fused_ema exists yet
 (`fused_ema.lerp_stochastic_`, and ModelEma's `stochastic_rounding=` and
 `stochastic_rounding_seed=` keywords), so every user skips with the same reason until it lands.

@@ -102,9 +102,10 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
             problems=problems,
             filters=state.get("filters"),
         )
-    if isinstance(state.get(PRETRAINED), Mapping):
+    if isinstance(state.get(PRETRAINED), Mapping):  # read_file's reading of a folder
         folder = state[PRETRAINED]
-        step = _as_step(folder["config"].get("optimization_step"), "optimization_step", problems)
+        config = folder.get("config", {})
+        step = _as_step(config.get("optimization_step"), "optimization_step", problems)
         return ParsedCheckpoint(
             "diffusers save_pretrained", _by_name(folder["weights"]), step=step, problems=problems
         )
@@ -287,7 +288,7 @@ def loaded_step(parsed: ParsedCheckpoint, step: int | None, options: dict) -> in
             "(started): with warmup on, the next update uses the warmup's first decay. Pass "
             "load_state_dict(..., step=N) or update(model, step=N) with the run's step count.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of load_state_dict
         )
     return started
 

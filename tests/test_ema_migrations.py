@@ -2,6 +2,7 @@
 way it does, ModelEma loads that file, and both continue on the same weights; they must stay equal
 to float rounding. Peers that are not installed skip and say why."""
 
+import json
 import random
 
 import pytest
@@ -402,3 +403,49 @@ def test_stepless_load_with_warmup_warns_and_names_the_fix():
     with pytest.warns(UserWarning, match=r"stores no step.*step=N"):
         ours.load_state_dict(run.model.state_dict())
     assert ours.step == 1
+
+
+# ---------------------------------------------------------------------- save_pretrained folders
+
+
+def test_pretrained_folder_sharded_bin_and_empty(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    run = Run()
+    ours = fused_ema.ModelEma(run.model, 0.9)
+    state = {
+        k: v + 1 if v.is_floating_point() else v + 3 for k, v in run.model.state_dict().items()
+    }
+    names = sorted(state)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for shard, keys in halves.items():
+        safetensors.save_file({k: state[k].contiguous() for k in keys}, str(sharded / shard))
+    weight_map = {k: shard for shard, keys in halves.items() for k in keys}
+    (sharded / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    (sharded / "config.json").write_text(json.dumps({"_class_name": "X", "optimization_step": 9}))
+    assert ours.load_state_dict(sharded).format == "diffusers save_pretrained"
+    assert ours.step == 9
+    assert all(torch.equal(ours.state_dict()["weights"][k], v) for k, v in state.items())
+
+    plain = tmp_path / "bin"
+    plain.mkdir()
+    torch.save({k: v - 2 for k, v in state.items()}, plain / "diffusion_pytorch_model.bin")
+    ours.load_state_dict(plain)  # no config.json: no step, so started
+    assert ours.step == 1
+    assert torch.equal(ours.state_dict()["weights"]["0.bias"], state["0.bias"] - 2)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    before = ours.state_dict()
+    with pytest.raises(fused_ema.CheckpointError, match="no weights in the folder.*config.json"):
+        ours.load_state_dict(empty)
+    (empty / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(fused_ema.CheckpointError, match="could not read it"):
+        ours.load_state_dict(empty, step=5)
+    after = ours.state_dict()
+    assert after["step"] == before["step"]
+    assert all(torch.equal(after["weights"][k], v) for k, v in before["weights"].items())
