@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ._schedule import whole_number
-from ._tracking import strip_checkpoint_prefixes
+from ._tracking import check_name_patterns, strip_checkpoint_prefixes
 from .errors import CheckpointError
 
 FORMAT = "fused_ema.ModelEma"
@@ -298,8 +298,12 @@ def _filter_problems(saved, policy) -> list[str]:
     if saved is None or policy is None:
         return []
     mine = policy.filters()
-    if not isinstance(saved, Mapping) or set(saved) != set(mine):
-        return [f"filters: expected copy_names and ignore_names, got {saved!r}"]
+    try:
+        if not isinstance(saved, Mapping) or set(saved) != set(mine):
+            raise ValueError(f"expected copy_names and ignore_names, got {saved!r}")
+        saved = {k: list(check_name_patterns(k, saved[k])) for k in mine}
+    except ValueError as err:
+        return [f"filters: {err}"]
     if all(set(saved[k]) == set(mine[k]) for k in mine):
         return []
     return [

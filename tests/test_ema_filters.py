@@ -199,3 +199,15 @@ def test_bad_patterns_are_named(kwargs, message):
 def test_a_pattern_that_matches_nothing_warns():
     with pytest.warns(UserWarning, match=r"ignore_names \['haed'\] match no parameter"):
         fused_ema.ModelEma(Nested(), 0.9, ignore_names=["haed", "head"])
+
+
+@pytest.mark.parametrize(
+    "filters", [5, {"copy_names": 5, "ignore_names": []}, {"copy_names": [""], "ignore_names": []}]
+)
+def test_a_corrupted_filters_entry_is_one_clear_error(filters):
+    model = Nested()
+    ema = fused_ema.ModelEma(model, 0.9)
+    state = ema.state_dict()
+    state["filters"] = filters
+    with pytest.raises(fused_ema.CheckpointError, match="filters: "):
+        ema.load_state_dict(state)
