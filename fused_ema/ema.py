@@ -68,7 +68,8 @@ class ModelEma:
             ramp counted from the first update, which averages too (torch_ema's num_updates).
         min_decay: lower bound of the warmup decay.
         update_after_step: steps up to ``update_after_step + 1`` copy the model.
-        update_every: update on steps 1, 1 + k, 1 + 2k, ... with ``decay ** k``.
+        update_every: update on steps 1, 1 + k, 1 + 2k, ... with ``decay ** k`` (or ``decay``:
+            see update_every_decay).
         on_mismatch: "error" raises when the model's tensors were added, removed, renamed,
             reshaped or replaced; "resync" follows them (kept tensors keep their average).
         stochastic_rounding, stochastic_rounding_seed: bfloat16/float16 EMA tensors (dtype=)
@@ -370,7 +371,8 @@ class ModelEma:
 
     def load_state_dict(self, state, strict: bool = True, step=None) -> LoadResult:
         """Restores an EMA from `state` (or a file path): fused_ema's own state_dict, a model
-        state dict, or a checkpoint of timm, AveragedModel, ema-pytorch, diffusers or torch_ema.
+        state dict, or a checkpoint of timm, AveragedModel, Lightning's EMAWeightAveraging,
+        ema-pytorch, diffusers or torch_ema.
 
         Every key, shape, dtype, the step and the schedule are checked and the tensors moved to
         the EMA's devices before anything changes; all problems are reported in one
