@@ -449,3 +449,18 @@ def test_pretrained_folder_sharded_bin_and_empty(tmp_path):
     after = ours.state_dict()
     assert after["step"] == before["step"]
     assert all(torch.equal(after["weights"][k], v) for k, v in before["weights"].items())
+
+
+def test_step_overrides_a_stored_step_and_drives_the_next_update():
+    run = Run()
+    saved = fused_ema.ModelEma(run.model, 0.95, warmup=(1.0, 1.0))
+    for _ in range(4):
+        saved.update(run.model)
+    ours = fused_ema.ModelEma(run.model, 0.95, warmup=(1.0, 1.0))
+    ours.load_state_dict(saved.state_dict(), step=9)
+    assert ours.step == 9 and saved.step == 4
+    ours.update(run.model)  # averaging step s = 10 - 0 - 1 = 9: decay 1 - 1 / (1 + 9)
+    assert ours.step == 10 and ours.current_decay == pytest.approx(0.9, rel=1e-15)
+    ours.step = 1
+    ours.update(run.model)
+    assert ours.current_decay == pytest.approx(0.5, rel=1e-15)
