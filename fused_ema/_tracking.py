@@ -214,7 +214,12 @@ class NameFilter:
 
     def unused(self, names) -> list[str]:
         """The patterns that match none of `names`."""
-        return [p for p in self.patterns if not any(NameFilter((p,))(n) for n in names)]
+        unused = []
+        for pattern in self.patterns:
+            one = NameFilter((pattern,))
+            if not any(one(n) for n in names):
+                unused.append(pattern)
+        return unused
 
 
 @dataclass
