@@ -148,7 +148,8 @@ def test_averaged_model(tmp_path, use_buffers):
     )
 
 
-def test_lightning_ema_weight_averaging(tmp_path):
+@pytest.mark.parametrize("every, start", [(1, None), (2, 4)])
+def test_lightning_ema_weight_averaging(tmp_path, every, start):
     pl = peer(peer_access.load_lightning)
     from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
 
@@ -177,7 +178,8 @@ def test_lightning_ema_weight_averaging(tmp_path):
             self.states = []
 
         def on_train_batch_end(self, trainer, pl_module, *args):
-            self.states.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+            state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            self.states.append((trainer.global_step, state))
 
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(32 * (BEFORE + AFTER), 6)), batch_size=32
@@ -191,30 +193,40 @@ def test_lightning_ema_weight_averaging(tmp_path):
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    lit = Lit()
-    pl.Trainer(
-        max_steps=BEFORE, callbacks=[EMAWeightAveraging(decay=0.99), SaveAt()], **options
-    ).fit(lit, data)
+
+    def averaging():
+        return EMAWeightAveraging(
+            decay=0.99, update_every_n_steps=every, update_starting_at_step=start
+        )
+
+    pl.Trainer(max_steps=BEFORE, callbacks=[averaging(), SaveAt()], **options).fit(Lit(), data)
     record = Record()
     resumed = Lit()
-    pl.Trainer(
-        max_steps=BEFORE + AFTER, callbacks=[EMAWeightAveraging(decay=0.99), record], **options
-    ).fit(resumed, data, ckpt_path=tmp_path / "mid.ckpt")
+    pl.Trainer(max_steps=BEFORE + AFTER, callbacks=[averaging(), record], **options).fit(
+        resumed, data, ckpt_path=tmp_path / "mid.ckpt"
+    )
     assert len(record.states) == AFTER
     # at the end of fit, EMAWeightAveraging copies its average into the module
 
     follower = Lit()
-    ours = fused_ema.ModelEma(follower, 0.99)
-    result = ours.load_state_dict(tmp_path / "mid.ckpt")
+    ours = fused_ema.ModelEma(
+        follower,
+        0.99,
+        update_every=every,
+        update_every_decay="plain",
+        update_after_step=start or 0,
+    )
+    if every == 1 and start is None:  # n_averaged counts the steps
+        result = ours.load_state_dict(tmp_path / "mid.ckpt")
+    else:  # it counts updates: the README's row passes the trainer's step
+        result = ours.load_state_dict(tmp_path / "mid.ckpt", step=BEFORE)
     assert result.format == "Lightning WeightAveraging"
     assert ours.step == BEFORE
-    for k, state in enumerate(record.states):
+    for global_step, state in record.states:
         follower.load_state_dict(state)
-        ours.update(follower)
-        if k == 0:
-            assert ours.step == BEFORE + 1
+        ours.update(follower, step=global_step)
     assert_close_to(ours, resumed.state_dict())
-    last = record.states[-1]
+    last = record.states[-1][1]
     assert (
         sum(
             (resumed.state_dict()[k] - v).abs().sum()
