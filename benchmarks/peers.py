@@ -144,12 +144,3 @@ def load_lightning() -> ModuleType:
     if not hasattr(callbacks, "EMAWeightAveraging"):
         raise PeerUnavailable(f"lightning {module.__version__} has no EMAWeightAveraging")
     return module
-
-
-def missing(loader) -> str | None:
-    """Why `loader` (one of the load_* functions above) fails, or None."""
-    try:
-        loader()
-    except PeerUnavailable as err:
-        return str(err)
-    return None
