@@ -18,6 +18,8 @@ def parse_to(args, kwargs):
     device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
     if memory_format is not None:
         raise ValueError("ema.to(memory_format=...) is not supported: the EMA keeps its layout")
+    if device is not None and device.type == "meta":
+        raise ValueError("ema.to('meta') would drop the average: the EMA holds values")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"ema.to() takes a floating dtype for the EMA tensors, got {dtype}")
     return device, dtype, non_blocking
