@@ -22,7 +22,7 @@ class StepHook:
 
     def __call__(self, optimizer, args, kwargs) -> None:
         ema = self._ema()
-        if ema is None or _skipped(optimizer, kwargs):
+        if ema is None or _skipped(optimizer):
             return
         model = self._model() if self._model is not None else ema._binding.model_ref()
         if model is None:
@@ -33,15 +33,11 @@ class StepHook:
         ema.update(model, non_blocking=self.non_blocking)
 
 
-def _skipped(optimizer, kwargs) -> bool:
-    """Whether a GradScaler told this step to skip itself (inf/NaN gradients): reads one value
-    (the scaler has just read it too)."""
+def _skipped(optimizer) -> bool:
+    """Whether a GradScaler told this step to skip itself (inf/NaN gradients). GradScaler sets
+    ``found_inf`` on optimizers that skip by themselves (torch's fused ones) for the duration of
+    step(); reading it costs one sync, as the scaler's own check does."""
     found_inf = getattr(optimizer, "found_inf", None)
-    scaler = kwargs.get("grad_scaler") if kwargs else None
-    if scaler is not None:
-        state = scaler._per_optimizer_states.get(id(optimizer), {})
-        found = state.get("found_inf_per_device", {})
-        return any(bool(v) for v in found.values())
     return isinstance(found_inf, torch.Tensor) and bool(found_inf)
 
 

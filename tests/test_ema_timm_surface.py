@@ -110,13 +110,17 @@ def test_positional_arguments_mean_what_they_mean_for_v3():
         foreach=True,
         exclude_buffers=False,
     )
-    assert ours.schedule == keywords.schedule == {
-        "decay": 0.999,
-        "min_decay": 0.1,
-        "warmup": (1.0, 0.75),
-        "update_after_step": 5,
-        "update_every": 1,
-    }
+    assert (
+        ours.schedule
+        == keywords.schedule
+        == {
+            "decay": 0.999,
+            "min_decay": 0.1,
+            "warmup": (1.0, 0.75),
+            "update_after_step": 5,
+            "update_every": 1,
+        }
+    )
     assert ours.device == torch.device("cpu") and ours.buffer_mode == "average"
     assert ours._rounding == {"stochastic_rounding": True, "stochastic_rounding_seed": 7}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
@@ -307,7 +311,9 @@ def test_timm_reads_the_layouts_the_readme_lists(tmp_path):
         "state_dict_ema": {"state_dict_ema": plain},
         "model_ema": {"model_ema": plain},
         "module. prefix": {"state_dict_ema": {f"module.{k}": v for k, v in plain.items()}},
-        "_orig_mod.module.": {"state_dict_ema": {f"_orig_mod.module.{k}": v for k, v in plain.items()}},
+        "_orig_mod.module.": {
+            "state_dict_ema": {f"_orig_mod.module.{k}": v for k, v in plain.items()}
+        },
         "bare state dict": plain,
         "full_state_dict": {"state_dict_ema": ema.full_state_dict()},
     }
@@ -467,7 +473,9 @@ def test_to_dtype_converts_the_average_all_at_once():
     before = {k: v.double() for k, v in weights(ema).items()}
     assert ema.to(torch.float64) is ema
     now = weights(ema)
-    assert now["0.weight"].dtype == torch.float64 and now["1.num_batches_tracked"].dtype == torch.int64
+    assert (
+        now["0.weight"].dtype == torch.float64 and now["1.num_batches_tracked"].dtype == torch.int64
+    )
     assert ema.module[0].weight is ema._binding.table.by_name["0.weight"].ema  # still shared
     trained(model, 1, seed=2)
     ema.update(model, step=3)
