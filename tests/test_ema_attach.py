@@ -152,8 +152,12 @@ def test_one_optimizer_at_a_time_and_clear_refusals():
     handle.remove()
     gc.collect()
     ema.attach(other).remove()  # allowed once the first is removed
+    ema.attach(opt)
     copy = pickle.loads(pickle.dumps(ema))  # a copy is not attached
-    copy.attach(opt).remove()
+    loss_of(model, torch.randn(4, 6)).backward()
+    opt.step()
+    assert ema.step == 1 and copy.step == 0
+    copy.attach(other).remove()
 
 
 def test_a_structure_change_raises_from_step_and_changes_nothing():

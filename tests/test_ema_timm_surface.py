@@ -274,6 +274,22 @@ def test_timm_training_pattern_with_the_real_v3_beside_it(tmp_path):
     assert_same(weights(resumed_ours), resumed_theirs.module.state_dict())
 
 
+def test_torch_compile_of_the_ema_as_train_py_does():
+    # train.py: model_ema = torch.compile(model_ema); then update, validate, unwrap_model.
+    model = trained(small_mlp(), 2)
+    ema = fused_ema.ModelEma(model, 0.8)
+    compiled = torch.compile(ema)
+    for step in range(1, 4):
+        compiled.update(trained(model, 1, seed=step), step=step)
+    assert ema.step == 3 and unwrap_model(compiled) is ema.module
+    compiled.train()
+    assert ema.module.training
+    out, _ = validate(compiled, loader(1), nn.CrossEntropyLoss())
+    assert not ema.module.training
+    expected = torch.cat([ema.module(x) for x, _ in loader(1)])
+    torch.testing.assert_close(out, expected)  # inductor may fuse float ops differently
+
+
 def test_the_readme_save_example_is_loaded_by_timm(tmp_path):
     helpers = timm_helpers()
     model = trained(small_mlp(), 3)
@@ -449,6 +465,15 @@ def test_a_damaged_parent_state_dict_reports_and_changes_nothing(damage, strict)
         result = target.load_state_dict(state, strict=False)
         assert result.missing_keys or result.unexpected_keys
     assert_unchanged(target.ema, before)
+
+
+def test_a_parent_state_dict_without_metadata_keeps_the_ema_schedule():
+    holder = trained_holder()
+    state = dict(holder.state_dict())  # a plain dict: _metadata gone, as after safetensors
+    fresh = Holder(decay=0.1, seed=9)
+    fresh.load_state_dict(state)
+    assert fresh.ema.step == 5 and fresh.ema.decay == 0.1
+    assert_same(weights(fresh.ema), weights(holder.ema))
 
 
 def test_state_dict_keeps_its_own_format_and_accepts_assign():
