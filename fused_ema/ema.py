@@ -3,8 +3,9 @@
 The public façade. The parts that own state live beside it: the schedule (_schedule.py), the
 entries and how a model is matched to them (_tracking.py), the update plan that every mode runs
 (_plan.py, with _async.py for non_blocking and _compiled.py for torch.compile), the evaluation
-views (_module_view.py, _swap.py) and checkpoints (checkpoint.py). Any public call that raises
-leaves the EMA (tensors, step, schedule) and the model as they were.
+views (_module_view.py, _swap.py), checkpoints (checkpoint.py, and _nested_state.py inside a
+parent module's state dict), ema.to() (_placement.py) and attach(optimizer) (_attach.py). Any
+public call that raises leaves the EMA (tensors, step, schedule) and the model as they were.
 """
 
 from __future__ import annotations
