@@ -371,6 +371,9 @@ class Holder(nn.Module):
         self.model = small_mlp()
         self.ema = fused_ema.ModelEma(self.model, decay, warmup=True, update_after_step=1)
 
+    def forward(self, x):
+        return self.model(x)
+
 
 def snapshot(ema):
     return {k: v.clone() for k, v in weights(ema).items()}, ema.step, ema.schedule
@@ -403,6 +406,36 @@ def test_a_parent_never_hands_the_ema_to_an_optimizer_or_moves_it():
     assert all(t.dtype != torch.float64 for t in weights(holder.ema).values())
     holder.ema.update(holder.model)  # and keeps working (the float64 model is cast)
     assert torch.equal(weights(holder.ema)["0.weight"], holder.model[0].weight.float())
+
+
+def test_a_ddp_wrapped_parent_leaves_the_ema_to_itself(tmp_path):
+    # DDP registers, buckets and broadcasts the parent's parameters and buffers: none is the EMA's.
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, not already initialised")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        holder = Holder()
+        ddp = nn.parallel.DistributedDataParallel(holder)
+        assert {id(p) for p in ddp.parameters()} == {id(p) for p in holder.model.parameters()}
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(6)
+        for _ in range(3):
+            loss = ddp(torch.randn(8, 6, generator=g)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            holder.ema.update(holder.model)
+        state = copy.deepcopy(ddp.state_dict())
+        assert state["module.ema.step"] == 3
+        other = Holder(decay=0.3, seed=1)
+        nn.parallel.DistributedDataParallel(other).load_state_dict(state)
+        assert other.ema.step == 3 and other.ema.decay == holder.ema.decay
+        assert_same(weights(other.ema), weights(holder.ema))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_parent_state_dict_round_trips_the_ema():
