@@ -1,7 +1,7 @@
 """The EMA inside a parent module's state dict (a LightningModule attribute, a container): the
 parent's state_dict() recursion writes flat keys under the EMA's prefix and its load_state_dict()
 reads them back, all or nothing, reporting through the parent's missing / unexpected / error
-lists. Layout (tensors only, so safetensors and DCP take it):
+lists. Layout (every value a tensor, as in any module's state dict):
 
     {prefix}weights.{name}   the EMA tensor of every tracked name (a tied weight under each)
     {prefix}step             the step counter (int64)
