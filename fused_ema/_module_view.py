@@ -36,14 +36,14 @@ class EmaForwardCheck:
 
 def build_module(ema, entries, model: nn.Module) -> nn.Module:
     """The model's module tree with the EMA tensors standing in for its own (a deepcopy whose
-    memo already holds them), in eval mode, without gradients."""
+    memo already holds them), in the EMA's mode (eval unless ema.train()), without gradients."""
     memo = {}
     for entry in entries:
         source = entry.bound()
         if source is not None:
             memo[id(source)] = entry.ema
     try:
-        module = copy.deepcopy(model, memo).eval().requires_grad_(False)
+        module = copy.deepcopy(model, memo).train(ema.training).requires_grad_(False)
     except Exception:  # FSDP2, or something else deepcopy cannot copy
         return SwappedModelView(ema, model)
     module.register_forward_pre_hook(EmaForwardCheck(ema))
@@ -56,7 +56,7 @@ class SwappedModelView(nn.Module):
         # Plain attributes, not submodules: the view has no weights of its own to expose.
         object.__setattr__(self, "_ema_ref", weakref.ref(ema))
         object.__setattr__(self, "_model_ref", weakref.ref(model))
-        self.train(False)
+        self.train(ema.training)
 
     def _model(self) -> nn.Module:
         model = self._model_ref()

@@ -176,6 +176,13 @@ class Schedule:
     def device(self) -> torch.device:
         return self.step.device
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "weight"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.weight = self.out[:1]  # a view: plain pickle would have copied it apart from out
+
     def _compute(self, advance: bool) -> None:
         torch.ops.fused_ema.ema_schedule_(self.step, self.out, self.config, advance)
 

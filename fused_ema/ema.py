@@ -3,8 +3,9 @@
 The public façade. The parts that own state live beside it: the schedule (_schedule.py), the
 entries and how a model is matched to them (_tracking.py), the update plan that every mode runs
 (_plan.py, with _async.py for non_blocking and _compiled.py for torch.compile), the evaluation
-views (_module_view.py, _swap.py) and checkpoints (checkpoint.py). Any public call that raises
-leaves the EMA (tensors, step, schedule) and the model as they were.
+views (_module_view.py, _swap.py), checkpoints (checkpoint.py, and _nested_state.py inside a
+parent module's state dict), ema.to() (_placement.py) and attach(optimizer) (_attach.py). Any
+public call that raises leaves the EMA (tensors, step, schedule) and the model as they were.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
+from collections import OrderedDict
 from typing import Union
 
 import torch
 from torch import nn
 
-from . import _compiled
+from . import _compiled, _nested_state
 from ._async import AsyncRunner
+from ._attach import attach
 from ._binding import Binding
 from ._dtensor import gather_full, reshard_fsdp
 from ._loader import _C
+from ._placement import move, parse_to
 from ._plan import UpdatePlan
 from ._schedule import (
     Schedule,
@@ -50,35 +55,43 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 Device = Union[str, torch.device, None]
 
 
-class ModelEma:
+class ModelEma(nn.Module):
     """Exponential moving average of a model's parameters and buffers.
+
+    The arguments up to ``exclude_buffers`` are timm ModelEmaV3's (1.0.31), in its order; the
+    rest are keyword-only. An nn.Module like V3 (``ema(x)``, ``.eval()``, ``.to()``...) that
+    registers no parameters, buffers or submodules of its own: a module holding it never hands
+    the EMA to an optimizer, DDP or FSDP.
 
     Args:
         model: the module to follow (DDP / DataParallel / torch.compile wrappers are unwrapped).
         decay: per-step decay; the update is ``ema += (1 - decay) * (model - ema)``.
+        min_decay: lower bound of the warmup decay.
+        update_after_step: steps up to ``update_after_step + 1`` copy the model.
+        use_warmup, warmup_gamma, warmup_power: timm's spelling of ``warmup=(gamma, power)``
+            (None: not given, ``warmup=`` decides).
         device: None keeps each EMA tensor with its model tensor (following it if it moves);
             "cpu", "cuda:1", ... keeps the whole EMA there and copies model tensors across.
         dtype: EMA dtype for floating tensors; None means float32 for 16/32-bit weights and
             float64 for float64 ones.
+        stochastic_rounding, stochastic_rounding_seed: bfloat16/float16 EMA tensors (dtype=)
+            are rounded stochastically, so that updates below their resolution still move them
+            in expectation (timm 1.0.31's keywords and default). The random bits depend on the
+            seed, the step, the tensor's name and each element's index in the full tensor only:
+            every DDP rank, every FSDP2 shard layout and a resumed run give the same bits.
+        foreach: timm's option, accepted and ignored (the update is always fused).
+        exclude_buffers: timm's option: True copies buffers instead of averaging them
+            (``buffers="copy"``).
         buffers: "average" float buffers and copy the others (num_batches_tracked stays exact),
             "copy" every buffer, or "ignore" buffers.
         warmup: False, True (gamma=1, power=2/3) or (gamma, power): the decay of averaging step
             s is ``min(decay, max(min_decay, 1 - (1 + s / gamma) ** -power))``; "diffusers":
             ``(1 + s) / (10 + s)`` instead (diffusers' use_ema_warmup=False); "torch_ema": that
             ramp counted from the first update, which averages too (torch_ema's num_updates).
-        min_decay: lower bound of the warmup decay.
-        update_after_step: steps up to ``update_after_step + 1`` copy the model.
         update_every: update on steps 1, 1 + k, 1 + 2k, ... with ``decay ** k`` (or ``decay``:
             see update_every_decay).
         on_mismatch: "error" raises when the model's tensors were added, removed, renamed,
             reshaped or replaced; "resync" follows them (kept tensors keep their average).
-        stochastic_rounding, stochastic_rounding_seed: bfloat16/float16 EMA tensors (dtype=)
-            are rounded stochastically, so that updates below their resolution still move them
-            in expectation (timm 1.0.31's keywords and default). The random bits depend on the
-            seed, the step, the tensor's name and each element's index in the full tensor only:
-            every DDP rank, every FSDP2 shard layout and a resumed run give the same bits.
-        use_warmup, warmup_gamma, warmup_power, exclude_buffers, foreach: timm ModelEmaV3's
-            spellings, accepted so that it can be swapped in unchanged.
         update_every_decay: "compensated" (``decay ** update_every`` per update, the same average
             as updating every step) or "plain" (``decay``, as ema-pytorch and Lightning do).
         copy_names, ignore_names: tensors to copy from the model instead of averaging, or to leave
@@ -91,31 +104,42 @@ class ModelEma:
         self,
         model: nn.Module,
         decay: float = 0.9999,
-        *,
-        device: Device = None,
-        dtype: torch.dtype | None = None,
-        buffers: str = "average",
-        warmup=False,
         min_decay: float = 0.0,
         update_after_step: int = 0,
-        update_every: int = 1,
-        on_mismatch: str = "error",
-        stochastic_rounding: bool = True,
-        stochastic_rounding_seed: int = 0,
         use_warmup: bool | None = None,
         warmup_gamma: float = 1.0,
         warmup_power: float = 2.0 / 3.0,
-        exclude_buffers: bool | None = None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+        stochastic_rounding: bool = True,
+        stochastic_rounding_seed: int = 0,
         foreach: bool | None = None,  # noqa: ARG002  (timm's option; always fused here)
+        exclude_buffers: bool | None = None,
+        *,
+        buffers: str = "average",
+        warmup=False,
+        update_every: int = 1,
+        on_mismatch: str = "error",
         update_every_decay: str = "compensated",
         copy_names=None,
         ignore_names=None,
         param_or_buffer_names_no_ema=None,
         ignore_startswith_names=None,
     ):
+        super().__init__()
+        self.training = False  # the EMA module evaluates: eval mode until ema.train()
         if use_warmup is not None:
+            if warmup is not False:
+                raise ValueError(
+                    f"give either warmup={warmup!r} or timm's use_warmup={use_warmup!r}, not both"
+                )
             warmup = (warmup_gamma, warmup_power) if use_warmup else False
         if exclude_buffers:
+            if buffers == "ignore":
+                raise ValueError(
+                    "exclude_buffers=True copies buffers, buffers='ignore' leaves them out: "
+                    "give one of them"
+                )
             buffers = "copy"
         if buffers not in BUFFER_MODES:
             raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
@@ -143,6 +167,7 @@ class ModelEma:
         self._pending_plan: UpdatePlan | None = None
         self._swapped = False
         self._key = _compiled.register(self)
+        self._hooks = weakref.WeakSet()  # attach(): the optimizer hooks still registered
 
     # ------------------------------------------------------------------ schedule and state
 
@@ -174,6 +199,20 @@ class ModelEma:
     def schedule(self) -> dict:
         return dict(self._schedule.options)
 
+    def get_decay(self, step: int | torch.Tensor | None = None) -> float:
+        """timm ModelEmaV3.get_decay: the per-step decay of `step` (0.0 while it copies the
+        model, the warmup's value while warming up), computed by the same formula the update runs;
+        without a step, the configured decay. With update_every=k, an update step applies
+        ``decay ** k`` of this value (and the steps between apply nothing)."""
+        if step is None:
+            return self.decay
+        step = self._schedule.check_step(step)
+        step = torch.as_tensor(step).detach().to("cpu", torch.int64).reshape(())
+        out = torch.zeros(2, dtype=torch.float64)
+        config = self._schedule.config.to("cpu")
+        torch.ops.fused_ema.ema_schedule_(step.clone(), out, config, False)
+        return float(out[1])
+
     @property
     def device(self) -> torch.device | None:
         return self._binding.policy.device
@@ -183,7 +222,9 @@ class ModelEma:
         return self._binding.plan
 
     @property
-    def buffers(self) -> str:
+    def buffer_mode(self) -> str:
+        """The buffers= mode: "average", "copy" or "ignore". (``ema.buffers()`` is nn.Module's:
+        the EMA registers none.)"""
         return self._binding.policy.buffers
 
     @property
@@ -293,6 +334,78 @@ class ModelEma:
         self._binding.resync(self, unwrap_model(model), self._schedule)
         self._warn_precision()
 
+    def set(self, model: nn.Module) -> None:
+        """timm ModelEmaV3.set: copies the model's current weights into the EMA (cast to its
+        dtypes and devices); the step and schedule stay. The model must match the EMA's names and
+        shapes (checked before anything is written)."""
+        self._ready("set")
+        pairs = self._binding.pairs_with(unwrap_model(model))
+        copy_all([(name, target, ema) for name, ema, target in pairs])
+
+    def attach(self, optimizer, model: nn.Module | None = None, *, non_blocking: bool = False):
+        """Updates the EMA after every ``optimizer.step()`` (a step post-hook) and returns the
+        hook's handle: ``handle.remove()`` detaches. The EMA counts its own updates (ema.step,
+        restored by load_state_dict), so it equals the number of optimizer steps taken while
+        attached. Steps a GradScaler skips (inf/NaN gradients) are not counted. `model` defaults
+        to the model the EMA follows (the one of its latest update or resync); both are held
+        weakly. One optimizer at a time: a second attach raises until the first is removed."""
+        return attach(self, optimizer, model, non_blocking, self._hooks)
+
+    # ------------------------------------------------------------------ nn.Module behaviour
+
+    def forward(self, *args, **kwargs):
+        """Runs ema.module: the model's forward with the EMA weights (timm's ``model_ema(x)``)."""
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> ModelEma:
+        """Sets the training mode of ema.module (eval by default); ``ema.eval()`` calls this."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be a bool, got {mode!r}")
+        self.training = mode
+        if self._binding.module is not None:
+            self._binding.module.train(mode)
+        return self
+
+    def to(self, *args, **kwargs) -> ModelEma:
+        """Moves the whole EMA (every tensor, the step counter, ema.module) to a device and/or
+        converts its averaged tensors to a floating dtype, as if built with that device= /
+        dtype=: ``ema.to("cpu")``, ``ema.to("cuda:1", torch.float32)``, ``ema.to(tensor)``. All
+        or nothing. A sharded (DTensor) EMA cannot move."""
+        device, dtype, non_blocking = parse_to(args, kwargs)
+        self._ready("to")
+        move(self, self._binding, self._schedule, device, dtype, non_blocking)
+        if dtype is not None:
+            self._warn_precision()
+        return self
+
+    def cuda(self, device: int | torch.device | None = None) -> ModelEma:
+        if device is None:
+            device = torch.cuda.current_device()
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        return self.to(device)
+
+    def cpu(self) -> ModelEma:
+        return self.to("cpu")
+
+    def half(self) -> ModelEma:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> ModelEma:
+        return self.to(torch.bfloat16)
+
+    def float(self) -> ModelEma:
+        return self.to(torch.float32)
+
+    def double(self) -> ModelEma:
+        return self.to(torch.float64)
+
+    def _apply(self, fn, recurse=True) -> ModelEma:
+        # A parent module's .to() / .cuda() / .half() reaches its children through _apply: the
+        # EMA keeps its own device= and dtype= (device=None follows the model at its next
+        # update); only ema.to() and friends move it.
+        return self
+
     def _ready(self, what: str) -> None:
         """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
         self.synchronize()
@@ -353,23 +466,40 @@ class ModelEma:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Names -> EMA tensors (tied weights under each name), the step and the schedule.
-        Loadable on any device: load_state_dict maps tensors to the EMA's own."""
+        Loadable on any device: load_state_dict maps tensors to the EMA's own.
+
+        A parent module's state_dict() (which passes destination= and prefix=) gets flat keys
+        instead: ``{prefix}weights.{name}`` and ``{prefix}step``, with the schedule in the state
+        dict's _metadata; the parent's load_state_dict() reads them back (see _nested_state)."""
+        if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         self._ready("state_dict")
         weights = {name: e.ema.detach() for e in self._binding.table.entries for name in e.names}
-        return {
+        own = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "weights": weights,
             "step": self._schedule.step.detach(),
             "schedule": self.schedule,
             "rounding": dict(self._rounding),
-            "buffers": self.buffers,
+            "buffers": self.buffer_mode,
             "filters": self._binding.policy.filters(),
         }
+        if destination is None and not prefix:
+            return own
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        if keep_vars:
+            own["weights"] = {n: e.ema for e in self._binding.table.entries for n in e.names}
+        _nested_state.write(own, destination, prefix, keep_vars, self._version)
+        return destination
 
-    def load_state_dict(self, state, strict: bool = True, step=None) -> LoadResult:
+    def load_state_dict(
+        self, state, strict: bool = True, assign: bool = False, *, step=None
+    ) -> LoadResult:
         """Restores an EMA from `state` (or a file path): fused_ema's own state_dict, a model
         state dict, or a checkpoint of timm, AveragedModel, Lightning's EMAWeightAveraging,
         ema-pytorch, diffusers or torch_ema.
@@ -377,7 +507,8 @@ class ModelEma:
         Every key, shape, dtype, the step and the schedule are checked and the tensors moved to
         the EMA's devices before anything changes; all problems are reported in one
         CheckpointError and the EMA is left as it was. With strict=False what matches is loaded
-        and the rest is reported in the returned LoadResult.
+        and the rest is reported in the returned LoadResult. `assign` (nn.Module's) is accepted
+        and ignored: values are always copied into the EMA's own tensors.
 
         A path to a directory reads a diffusers ``save_pretrained`` folder. The EMA continues
         from `step` when given, else from the checkpoint's step, else (timm's checkpoints and
@@ -395,6 +526,12 @@ class ModelEma:
                 raise CheckpointError(
                     [f"could not read it: {type(err).__name__}: {err}"], source
                 ) from err
+        prepared = self._prepare_load(state, strict, source, step)
+        self._apply_load(*prepared)
+        return prepared[0].result
+
+    def _prepare_load(self, state, strict: bool, source: str, step=None):
+        """Everything a load checks and converts, before any write: (prepared, rounding)."""
         prepared = prepare_load(
             self._binding.table,
             state,
@@ -411,6 +548,9 @@ class ModelEma:
                 rounding = rounding_from_state(state["rounding"])
             except (TypeError, ValueError) as err:
                 raise CheckpointError([f"rounding: {err}"], source) from err
+        return prepared, rounding
+
+    def _apply_load(self, prepared, rounding) -> None:
         with torch.no_grad():
             copy_all([(None, value, entry.ema) for entry, value in prepared.values])
             self._schedule.load(prepared.options, prepared.step)
@@ -418,7 +558,27 @@ class ModelEma:
             self._rounding = rounding
             self._binding.set_seed(self._seed())
         self._warn_precision()
-        return prepared.result
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing;
+        problems go to the parent's lists (it raises for them, or returns them if not strict)."""
+        self._ready("load_state_dict")
+        own, missing, unexpected = _nested_state.read(state_dict, prefix, local_metadata)
+        missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
+        prepared = _nested_state.report(
+            lambda own: self._prepare_load(own, False, prefix[:-1] or "the state dict"),
+            self._binding.table,
+            own,
+            prefix,
+            missing_keys,
+            unexpected_keys,
+            errors,
+        )
+        if prepared is not None and not missing and not unexpected:
+            self._apply_load(*prepared)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -470,7 +630,7 @@ class ModelEma:
         return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        nn.Module.__setstate__(self, state)
         self._init_transient()
         self._binding.rehook(self)
 
@@ -480,9 +640,9 @@ class ModelEma:
         return (
             f"ModelEma({len(self._binding.table.entries)} tensors, decay={sc['decay']}, "
             f"device={where}, "
-            f"buffers={self.buffers!r}, warmup={sc['warmup']}, "
+            f"buffers={self.buffer_mode!r}, warmup={sc['warmup']}, "
             f"update_after_step={sc['update_after_step']}, update_every={sc['update_every']})"
         )
 
 
-_TRANSIENT = ("_runner", "_pending_plan", "_swapped", "_key")
+_TRANSIENT = ("_runner", "_pending_plan", "_swapped", "_key", "_hooks")

@@ -1,0 +1,64 @@
+"""ema.attach(optimizer): one EMA update after every real optimizer step, through the optimizer's
+own step post-hook. Gradient accumulation steps the optimizer once per N micro-batches, and a
+GradScaler that finds inf/NaN gradients does not call optimizer.step() at all, so both give one
+update per real step; an optimizer that takes the scaler's found_inf itself (fused Adam) is
+called anyway, and the hook skips the update when found_inf is set. The hook holds the EMA and
+the model weakly: it never keeps them alive, and does nothing once the EMA is gone."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class StepHook:
+    """The post-hook registered on the optimizer."""
+
+    def __init__(self, ema, model, non_blocking: bool):
+        self._ema = weakref.ref(ema)
+        self._model = weakref.ref(model) if model is not None else None
+        self.non_blocking = non_blocking
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        ema = self._ema()
+        if ema is None or _skipped(optimizer):
+            return
+        model = self._model() if self._model is not None else ema._binding.model_ref()
+        if model is None:
+            raise RuntimeError(
+                "fused_ema: ema.attach(optimizer): the model this EMA follows no longer exists; "
+                "remove the handle, or attach again with attach(optimizer, model)"
+            )
+        ema.update(model, non_blocking=self.non_blocking)
+
+
+def _skipped(optimizer) -> bool:
+    """Whether a GradScaler told this step to skip itself (inf/NaN gradients). GradScaler sets
+    ``found_inf`` on optimizers that skip by themselves (torch's fused ones) for the duration of
+    step(); reading it costs one sync, as the scaler's own check does."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    return isinstance(found_inf, torch.Tensor) and bool(found_inf)
+
+
+def attach(ema, optimizer, model, non_blocking: bool, live: weakref.WeakSet):
+    """Registers the hook; `live` holds the EMA's hooks weakly (a removed hook drops out)."""
+    register = getattr(optimizer, "register_step_post_hook", None)
+    if register is None:
+        raise TypeError(
+            f"ema.attach() takes a torch.optim.Optimizer (with register_step_post_hook), got "
+            f"{type(optimizer).__name__}"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ema.attach(optimizer, model): model must be an nn.Module, got {model!r}")
+    if not isinstance(non_blocking, bool):
+        raise TypeError(f"non_blocking must be True or False, got {non_blocking!r}")
+    if len(live):
+        raise RuntimeError(
+            "this EMA is already attached to an optimizer: it would update twice per training "
+            "step. Call .remove() on the handle the first attach() returned, then attach again."
+        )
+    hook = StepHook(ema, model, non_blocking)
+    handle = register(hook)
+    live.add(hook)
+    return handle

@@ -1,0 +1,78 @@
+"""The EMA inside a parent module's state dict (a LightningModule attribute, a container): the
+parent's state_dict() recursion writes flat keys under the EMA's prefix and its load_state_dict()
+reads them back, all or nothing, reporting through the parent's missing / unexpected / error
+lists. Layout (every value a tensor, as in any module's state dict):
+
+    {prefix}weights.{name}   the EMA tensor of every tracked name (a tied weight under each)
+    {prefix}step             the step counter (int64)
+
+and, in the state dict's ``_metadata[prefix[:-1]]["fused_ema"]`` (which torch.save keeps), the
+format, schedule, rounding and buffer mode. Without that metadata the EMA keeps its own."""
+
+from __future__ import annotations
+
+from .checkpoint import FORMAT, FORMAT_VERSION, tensor_problem
+from .errors import CheckpointError
+
+WEIGHTS = "weights."
+STEP = "step"
+META_KEY = "fused_ema"
+
+
+def write(own: dict, destination, prefix: str, keep_vars: bool, version) -> None:
+    """Writes ema.state_dict()'s content (`own`) into `destination` under `prefix`."""
+    for name, tensor in own["weights"].items():
+        destination[prefix + WEIGHTS + name] = tensor if keep_vars else tensor.detach()
+    destination[prefix + STEP] = own["step"]
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is not None:
+        metadata[prefix[:-1]] = {
+            "version": version,
+            META_KEY: {k: own[k] for k in ("format", "format_version", "schedule", "rounding")}
+            | {"buffers": own["buffers"]},
+        }
+
+
+def read(state_dict, prefix: str, local_metadata) -> tuple[dict, list, list]:
+    """fused_ema's own state dict rebuilt from the keys under `prefix`, with the keys that are
+    missing and those that do not belong to the layout."""
+    weights, step, missing, unexpected = {}, None, [], []
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        if rest.startswith(WEIGHTS):
+            weights[rest[len(WEIGHTS) :]] = value
+        elif rest == STEP:
+            step = value
+        else:
+            unexpected.append(key)
+    if step is None:
+        missing.append(prefix + STEP)
+    own = {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": weights, "step": step}
+    meta = (local_metadata or {}).get(META_KEY)
+    if isinstance(meta, dict):
+        own.update({k: meta[k] for k in ("format_version", "schedule", "rounding") if k in meta})
+    elif meta is not None:
+        own["format_version"] = meta  # reported by the parser as a format problem
+    return own, missing, unexpected
+
+
+def report(prepare, table, own: dict, prefix: str, missing, unexpected, errors):
+    """Runs `prepare(own)` (ModelEma's own checks, returning (prepared load, rounding)) and sorts
+    what it finds into the parent's lists. Returns its result, or None when it found anything
+    (the EMA must then stay as it is)."""
+    try:
+        prepared = prepare(own)
+    except CheckpointError as err:
+        errors.extend(f"{prefix[:-1] or 'ModelEma'}: {p}" for p in err.problems)
+        return None
+    result = prepared[0].result
+    missing.extend(prefix + WEIGHTS + k for k in result.missing_keys)
+    unexpected.extend(prefix + WEIGHTS + k for k in result.unexpected_keys)
+    for name in result.mismatched_keys:
+        problem = tensor_problem(name, own["weights"][name], table.by_name[name].ema)
+        errors.append(f"{prefix}{WEIGHTS}{problem}")
+    if result.missing_keys or result.unexpected_keys or result.mismatched_keys:
+        return None
+    return prepared

@@ -1,0 +1,88 @@
+"""ModelEma.to() / .cuda() / .cpu() / .half(): the whole EMA moved to another device or floating
+dtype, as if built with that device= / dtype=. Every new tensor is made first; only then are they
+swapped in (the same tensor objects, so ema.module and the entries stay shared), so a failure
+(out of memory, a device that is not there) changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._dtensor import is_dtensor
+from ._module_view import SwappedModelView
+
+
+def parse_to(args, kwargs):
+    """nn.Module.to's arguments: (device, dtype, non_blocking), refusing what an EMA cannot do."""
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if memory_format is not None:
+        raise ValueError("ema.to(memory_format=...) is not supported: the EMA keeps its layout")
+    if device is not None and device.type == "meta":
+        raise ValueError("ema.to('meta') would drop the average: the EMA holds values")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"ema.to() takes a floating dtype for the EMA tensors, got {dtype}")
+    return device, dtype, non_blocking
+
+
+def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> None:
+    """Moves every EMA tensor to `device` and every averaged one to `dtype` (None: unchanged),
+    with the step counter and ema.module; all or nothing."""
+    entries = binding.table.entries
+    sharded = [e.name for e in entries if is_dtensor(e.ema)]
+    if sharded and device is not None:
+        raise ValueError(
+            f"ema.to({str(device)!r}): the EMA is sharded (DTensor entries such as {sharded[0]}) "
+            "and lives with its shards; gather it with ema.full_state_dict() instead"
+        )
+    if sharded and dtype is not None:
+        raise ValueError("ema.to(dtype): a sharded (DTensor) EMA keeps the dtype it was built with")
+    meta = [e.name for e in entries if e.ema.is_meta]
+    if meta and device is not None:
+        raise RuntimeError(
+            f"ema.to(): {len(meta)} EMA tensors hold no values yet (meta, e.g. {meta[0]}); "
+            "call ema.resync(model) once the model is materialised"
+        )
+    moves = []
+    for e in entries:
+        new_dtype = dtype if (dtype is not None and e.average) else e.ema.dtype
+        data = e.ema.data
+        moved = data.to(device=device or data.device, dtype=new_dtype, non_blocking=non_blocking)
+        if moved is not data:
+            moves.append((e.ema, moved))
+    extras = _module_extras(binding.module, entries, device, non_blocking)
+    if device is not None and entries:
+        target = (moves[0][1] if moves else entries[0].ema).device
+        schedule.place(target if target.type != "cpu" else torch.device("cpu"))
+    # Nothing below can fail: tensors swap their storage, the policy and the plan are replaced.
+    for tensor, moved in moves:
+        tensor.data = moved
+    for module, name, moved in extras:
+        if name in module._parameters:
+            module._parameters[name].data = moved
+        else:
+            module._buffers[name] = moved
+    policy = binding.policy
+    binding.policy = dataclasses.replace(
+        policy,
+        device=torch.device(device) if device is not None else policy.device,
+        dtype=dtype if dtype is not None else policy.dtype,
+    )
+    binding.plan = None  # rebuilt for the moved tensors at the next update
+
+
+def _module_extras(module, entries, device, non_blocking: bool) -> list:
+    """ema.module's own tensors that are not EMA entries (non-persistent buffers, and buffers an
+    EMA with buffers="ignore" leaves out), moved with the EMA so that it still runs."""
+    if module is None or device is None or isinstance(module, SwappedModelView):
+        return []
+    ours = {id(e.ema) for e in entries}
+    out = []
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, t in store.items():
+                if t is not None and id(t) not in ours and not t.is_meta:
+                    moved = t.data.to(device=device, non_blocking=non_blocking)
+                    if moved is not t.data:
+                        out.append((sub, name, moved))
+    return out
