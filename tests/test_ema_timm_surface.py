@@ -119,6 +119,7 @@ def test_positional_arguments_mean_what_they_mean_for_v3():
             "warmup": (1.0, 0.75),
             "update_after_step": 5,
             "update_every": 1,
+            "update_every_decay": "compensated",
         }
     )
     assert ours.device == torch.device("cpu") and ours.buffer_mode == "average"
