@@ -21,7 +21,9 @@ def check_ema_arguments(ema, decay, ema_kwargs: dict) -> dict:
         if not isinstance(ema, ModelEma):
             raise TypeError(f"ema must be a fused_ema.ModelEma, got {type(ema).__name__}")
         if ema_kwargs or decay is not None:
-            raise ValueError("pass either a ModelEma (ema=) or its keywords (decay=, ...), not both")
+            raise ValueError(
+                "pass either a ModelEma (ema=) or its keywords (decay=, ...), not both"
+            )
         return {}
     kwargs = dict(ema_kwargs)
     if decay is not None:

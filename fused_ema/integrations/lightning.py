@@ -54,7 +54,10 @@ class EMACallback(Callback):
         **ema_kwargs,
     ):
         super().__init__()
-        for name, value in (("swap_eval", swap_eval), ("copy_to_model_at_end", copy_to_model_at_end)):
+        for name, value in (
+            ("swap_eval", swap_eval),
+            ("copy_to_model_at_end", copy_to_model_at_end),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs)
