@@ -15,10 +15,13 @@ import torch
 from integration_reference import ReferenceEma, assert_same, ema_of, snapshot
 from torch import nn
 
-transformers = pytest.importorskip(
-    "transformers",
-    reason="transformers is not installed (.ci/env.sh installs transformers==5.23.0)",
-)
+try:
+    import transformers
+except ImportError as err:  # not installed, or an install that failed part-way
+    pytest.skip(
+        f"transformers cannot be imported ({err}); .ci/env.sh installs transformers==5.23.0",
+        allow_module_level=True,
+    )
 import fused_ema  # noqa: E402
 from fused_ema.integrations.transformers import (  # noqa: E402
     EMA_FILE,
@@ -222,7 +225,12 @@ def test_bad_arguments_are_refused_at_construction():
 
 
 def test_accelerate_register_for_checkpointing_round_trip(tmp_path):
-    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
+    try:
+        import accelerate
+    except ImportError as err:
+        pytest.skip(
+            f"accelerate cannot be imported ({err}); .ci/env.sh installs accelerate==1.15.0"
+        )
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ema = fused_ema.ModelEma(model, decay=DECAY)
