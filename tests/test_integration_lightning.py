@@ -242,22 +242,41 @@ def test_bad_arguments_are_refused_at_construction():
         EMACallback(swap_eval="yes")
 
 
-def test_a_corrupt_checkpoint_state_raises_and_changes_nothing(tmp_path):
+def test_validate_test_predict_from_a_checkpoint_use_its_ema(tmp_path):
     model, callback = Net(), EMACallback(decay=DECAY)
     run = trainer(tmp_path, [callback], max_epochs=1)
     run.fit(model, loader(1))
-    path = tmp_path / "good.ckpt"
-    run.save_checkpoint(path)
-    checkpoint = torch.load(path, weights_only=True)
+    run.save_checkpoint(tmp_path / "fit.ckpt")
+    fresh = Net()
+    evaluator = trainer(tmp_path, [EMACallback(decay=DECAY)])
+    for call in (evaluator.validate, evaluator.test, evaluator.predict):
+        fresh.seen.clear()
+        call(fresh, loader(3), ckpt_path=tmp_path / "fit.ckpt")
+        assert fresh.seen
+        for _, _, weights in fresh.seen:
+            assert_same(weights, model.reference.weights, f"{call.__name__} weights vs the EMA")
+        assert_same(snapshot(fresh), model.reference.history[-1], f"after {call.__name__}")
+
+
+def test_a_corrupt_checkpoint_state_raises_and_leaves_the_ema_as_built(tmp_path):
+    import fused_ema
+
+    model, callback = Net(), EMACallback(decay=DECAY)
+    run = trainer(tmp_path, [callback], max_epochs=1)
+    run.fit(model, loader(1))
+    run.save_checkpoint(tmp_path / "good.ckpt")
+    checkpoint = torch.load(tmp_path / "good.ckpt", weights_only=True)
     del checkpoint["callbacks"]["EMACallback"]["ema"]["weights"]["net.0.weight"]
     torch.save(checkpoint, tmp_path / "bad.ckpt")
     fresh, fresh_callback = Net(), EMACallback(decay=DECAY)
-    import fused_ema
-
     with pytest.raises(fused_ema.CheckpointError, match="net.0.weight"):
         trainer(tmp_path, [fresh_callback], max_epochs=2).fit(
             fresh, loader(1), ckpt_path=tmp_path / "bad.ckpt"
         )
+    # built from the restored module before the load failed; nothing of the bad state went in
+    assert fresh_callback.ema.step == 0
+    assert_same(ema_weights(fresh_callback), checkpoint["state_dict"], "EMA after the failure")
+    assert fresh_callback.state_dict()["ema"]["step"] == 0
 
 
 def test_ddp_with_two_cpu_processes_resumes_bit_for_bit(tmp_path):

@@ -82,8 +82,8 @@ class EMACallback(Callback):
         elif self._user_ema:
             self._module_ref = weakref.ref(pl_module)
         if self._pending is not None and self.ema is not None:
-            self.ema.load_state_dict(self._pending)  # all or nothing: a bad state raises here
-            self._pending = None
+            state, self._pending = self._pending, None
+            self.ema.load_state_dict(state)  # all or nothing: a bad state raises, EMA unchanged
 
     def state_dict(self) -> dict:
         if self._pending is not None:
