@@ -42,6 +42,26 @@ if [ "$(python -c 'import importlib.metadata as m; print(m.version("timm"))' 2>/
   python -m pip install -q --no-deps "timm==$fused_ema_timm" \
     || fused_ema_log "could not install timm==$fused_ema_timm: the timm comparisons will be skipped"
 fi
+# The framework integrations are tested with the real frameworks (diffusers: the migration tests).
+# They go in without their dependencies, which would pull another torch, then their pure-Python
+# dependencies with pip's usual resolution (none of those needs torch, so torch stays as it is).
+fused_ema_frameworks="lightning==2.6.6 pytorch-lightning==2.6.6 lightning-utilities==0.15.3
+  torchmetrics==1.9.0 transformers==5.23.0 accelerate==1.15.0 diffusers==0.42.1"
+fused_ema_framework_deps="huggingface-hub>=1.32.0,<3.0 tokenizers>=0.23.1,<0.24.0
+  regex>=2025.10.22 safetensors>=0.8.0 typer pyyaml psutil requests importlib-metadata"
+if ! python -c "
+import importlib.metadata as m, sys
+want = dict(r.split('==') for r in sys.argv[1:])
+assert all(m.version(name) == version for name, version in want.items())
+import huggingface_hub, tokenizers, safetensors, regex, typer, yaml, psutil, requests
+" $fused_ema_frameworks >/dev/null 2>&1; then
+  fused_ema_log "installing lightning, transformers, accelerate and diffusers (torch left as it is)"
+  # shellcheck disable=SC2086
+  { python -m pip install -q --no-deps $fused_ema_frameworks \
+      && python -m pip install -q $fused_ema_framework_deps; } \
+    || fused_ema_log "could not install lightning/transformers/accelerate/diffusers:" \
+      "those tests will be skipped"
+fi
 
 fused_ema_stamp() {
   (cd "$FUSED_EMA_ROOT" && find csrc setup.py pyproject.toml -type f -print0 | sort -z \

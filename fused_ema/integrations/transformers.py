@@ -1,0 +1,200 @@
+"""Hugging Face Trainer integration: a TrainerCallback keeping a ModelEma (updated after every
+optimizer step, saved as ema.pt in every checkpoint folder, restored on resume), and what the
+Trainer's hooks cannot do alone: evaluation on the EMA weights and knowing the resumed folder.
+
+The Trainer has no hook before evaluation and none when it loads a checkpoint, hence
+`EMATrainerMixin` / `EMATrainer` (evaluate and predict on the EMA weights, the resumed folder
+told to the callback) and `ema_weights(trainer)` for a plain Trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..ema import ModelEma
+from ._common import check_ema_arguments
+
+__all__ = ["EMA_FILE", "EMACallback", "EMATrainer", "EMATrainerMixin", "ema_weights"]
+
+EMA_FILE = "ema.pt"
+"""The file holding `ema.state_dict()` in each `checkpoint-<step>` folder."""
+
+_ON_MISSING = ("error", "restart")
+
+
+class EMACallback(TrainerCallback):
+    """Keeps a `fused_ema.ModelEma` of the Trainer's model during `trainer.train()`.
+
+    The EMA is updated in `on_step_end`, once per optimizer step (after gradient accumulation),
+    with `step=state.global_step`. Each checkpoint folder `output_dir/checkpoint-<step>` gets
+    `ema.pt` (the EMA's state_dict); a resumed run loads it back and continues bit for bit.
+
+    Args:
+        decay: the EMA decay (ModelEma's default, 0.9999, when None).
+        ema: a ModelEma you built yourself for the model, instead of the keywords.
+        copy_to_model_at_end: when training ends, write the EMA weights into the model.
+        resume_from: the checkpoint folder to restore the EMA from. Without it, a resumed run
+            (`state.global_step > 0` at train begin) looks in the folder EMATrainer was resumed
+            from, `args.resume_from_checkpoint`, then `output_dir/checkpoint-<global_step>`.
+        on_missing: a resumed run without an ema.pt whose step matches: "error" raises,
+            "restart" warns and starts a new EMA from the resumed model.
+        **ema_kwargs: any other ModelEma keyword (warmup=, update_every=, device=, dtype=, ...).
+    """
+
+    def __init__(
+        self,
+        decay: float | None = None,
+        *,
+        ema: ModelEma | None = None,
+        copy_to_model_at_end: bool = False,
+        resume_from: str | os.PathLike | None = None,
+        on_missing: str = "error",
+        **ema_kwargs,
+    ):
+        if not isinstance(copy_to_model_at_end, bool):
+            raise TypeError(
+                f"copy_to_model_at_end must be True or False, got {copy_to_model_at_end!r}"
+            )
+        if on_missing not in _ON_MISSING:
+            raise ValueError(f"on_missing must be one of {_ON_MISSING}, got {on_missing!r}")
+        self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs)
+        self.ema: ModelEma | None = ema
+        self._user_ema = ema is not None
+        self.copy_to_model_at_end = copy_to_model_at_end
+        self.resume_from = resume_from
+        self.on_missing = on_missing
+        self._swapped = False
+
+    # ------------------------------------------------------------------ training
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """Runs after the Trainer loaded a checkpoint's weights and state: a fresh EMA of the
+        model, with the checkpoint's ema.pt loaded into it when training resumes."""
+        resume_from, self.resume_from = self.resume_from, None
+        ema = self.ema if self._user_ema else ModelEma(model, **self._ema_kwargs)
+        if state.global_step > 0:
+            self._restore(ema, args, state.global_step, resume_from)
+        self.ema = ema
+
+    def _restore(self, ema: ModelEma, args, step: int, resume_from) -> None:
+        candidates = (
+            [resume_from]
+            if resume_from is not None
+            else [
+                getattr(args, "resume_from_checkpoint", None),
+                os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"),
+            ]
+        )
+        looked = []
+        for folder in candidates:
+            if not isinstance(folder, (str, os.PathLike)):
+                continue
+            path = os.path.join(folder, EMA_FILE)
+            looked.append(path)
+            if not os.path.isfile(path):
+                continue
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            saved = int(state["step"]) if isinstance(state, dict) and "step" in state else None
+            if saved != step:
+                looked[-1] += f" (its EMA is at step {saved})"
+                continue
+            ema.load_state_dict(state)  # all or nothing: a damaged file raises CheckpointError
+            return
+        message = (
+            f"fused_ema: training resumed at step {step} but no {EMA_FILE} of that step was found "
+            f"(looked at {', '.join(looked) or 'nothing'}). Resume with EMATrainer, or pass "
+            "EMACallback(resume_from=<checkpoint folder>)"
+        )
+        if self.on_missing == "error":
+            raise FileNotFoundError(message + ", or on_missing='restart' to start a new EMA.")
+        warnings.warn(message + "; a new EMA starts from the resumed model.", stacklevel=3)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.ema.update(model, step=state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        """Called after the Trainer wrote `checkpoint-<global_step>` (process 0 writes ema.pt)."""
+        if not args.should_save:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"fused_ema: the checkpoint folder {folder} the Trainer should have written "
+                "does not exist, so the EMA has nowhere to go"
+            )
+        path = os.path.join(folder, EMA_FILE)
+        torch.save(self.ema.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.copy_to_model_at_end:
+            self.ema.copy_to(model)
+
+
+# ---------------------------------------------------------------------- evaluation
+
+
+def find_ema_callback(trainer: Trainer) -> EMACallback:
+    found = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, EMACallback)]
+    if len(found) != 1:
+        raise ValueError(
+            f"the Trainer has {len(found)} fused_ema EMACallback(s); exactly one is needed "
+            "(Trainer(callbacks=[EMACallback(...)]))"
+        )
+    return found[0]
+
+
+@contextlib.contextmanager
+def _swapped(callback: EMACallback, trainer: Trainer, required: bool):
+    if callback._swapped or (callback.ema is None and not required):
+        yield trainer.model  # already inside (evaluate within ema_weights), or no EMA yet
+        return
+    if callback.ema is None:
+        raise RuntimeError(
+            "fused_ema: the EMACallback has no EMA yet: it is built when trainer.train() starts"
+        )
+    with callback.ema.swapped(trainer.model) as model:
+        callback._swapped = True
+        try:
+            yield model
+        finally:
+            callback._swapped = False
+
+
+def ema_weights(trainer: Trainer):
+    """`with ema_weights(trainer): trainer.evaluate()`: the EMA weights in the Trainer's model
+    for the block, the training weights back after it (also when it raises)."""
+    return _swapped(find_ema_callback(trainer), trainer, required=True)
+
+
+class EMATrainerMixin:
+    """`class MyTrainer(EMATrainerMixin, Trainer)`: evaluate() and predict() (also the evaluations
+    during training) run on the EMA weights once the EMA exists, and train(resume_from_checkpoint=)
+    tells the callback which folder to restore the EMA from."""
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        callback = find_ema_callback(self)
+        folder = resume_from_checkpoint
+        if folder is True:
+            folder = get_last_checkpoint(self.args.output_dir)
+        if isinstance(folder, (str, os.PathLike)):
+            callback.resume_from = folder
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with _swapped(find_ema_callback(self), self, required=False):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with _swapped(find_ema_callback(self), self, required=False):
+            return super().predict(*args, **kwargs)
+
+
+class EMATrainer(EMATrainerMixin, Trainer):
+    """A Trainer that evaluates and predicts with the EMA of its EMACallback."""
