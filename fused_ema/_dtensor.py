@@ -18,6 +18,38 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+# The meshes of sharded EMAs of replicated models (fused_ema/_shard.py): a DTensor EMA on one of
+# them pairs with a plain model tensor, of which it averages one chunk.
+replica_meshes: list = []
+
+
+def is_replica_shard(t) -> bool:
+    """Whether `t` is a chunk of the EMA of a replicated model (ModelEma(shard=...))."""
+    return is_dtensor(t) and any(t.device_mesh is m for m in replica_meshes)
+
+
+def replica_cut(ema, src) -> tuple | None:
+    """(dim, start, length): the part of the plain model tensor `src` that the replica shard
+    `ema` averages; None when they pair whole (or shard by shard)."""
+    if not is_replica_shard(ema) or is_dtensor(src):
+        return None
+    (placement,) = ema.placements
+    if not placement.is_shard():
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, start = compute_local_shape_and_global_offset(ema.shape, ema.device_mesh, ema.placements)
+    dim = placement.dim
+    return dim, int(start[dim]), int(shape[dim])
+
+
+def same_layout(ema: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether the EMA tensor `ema` still fits the model tensor `t` (shape and sharding)."""
+    if tuple(ema.shape) != tuple(t.shape):
+        return False
+    return sharding(ema) == sharding(t) or (is_replica_shard(ema) and not is_dtensor(t))
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds (the same tensor object every call, unlike to_local())."""
     return t._local_tensor if is_dtensor(t) else t
@@ -152,8 +184,26 @@ def gather_full(entries, rank, cpu_offload: bool) -> dict:
     distributed = dist.is_available() and dist.is_initialized()
     keep = rank is None or not distributed or dist.get_rank() == rank
     out = {}
+    gathered: dict = {}
     with torch.no_grad():
+        replicas = [e for e in entries if is_replica_shard(e.ema)]
+        if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
+            from ._shard import gather_into
+
+            where = "cpu" if cpu_offload else None
+            full = [
+                torch.empty(e.ema.shape, dtype=e.ema.dtype, device=where or local(e.ema).device)
+                if keep
+                else None
+                for e in replicas
+            ]
+            gather_into([(e.ema, t) for e, t in zip(replicas, full)])
+            gathered = {id(e): t for e, t in zip(replicas, full)}
         for entry in entries:
+            if id(entry) in gathered:
+                if keep:
+                    out.update({name: gathered[id(entry)] for name in entry.names})
+                continue
             value = full_value(entry.ema.detach())  # every rank joins the gather
             if not keep:
                 continue
@@ -165,8 +215,12 @@ def gather_full(entries, rank, cpu_offload: bool) -> dict:
     return out
 
 
-def refuse_unsharded(by_name: dict, tracked) -> None:
-    """An FSDP2 model between forward and backward holds unsharded parameters: refuse them."""
+def refuse_unsharded(by_name: dict, tracked, replicated=None) -> None:
+    """An FSDP2 model between forward and backward holds unsharded parameters: refuse them. The
+    sharded EMA of a replicated model (`replicated`: its ShardSpec) refuses sharded ones."""
+    if replicated is not None:
+        replicated.refuse_sharded(tracked)
+        return
     pairs = [(n, by_name[n].ema, t.tensor) for t in tracked for n in t.names if n in by_name]
     names = unsharded_names(pairs)
     if names:

@@ -23,6 +23,7 @@ from ._binding import Binding
 from ._dtensor import gather_full, reshard_fsdp
 from ._loader import _C
 from ._plan import UpdatePlan
+from ._shard import resolve
 from ._schedule import (
     Schedule,
     check_options,
@@ -73,6 +74,11 @@ class ModelEma:
             in expectation (timm 1.0.31's keywords and default). The random bits depend on the
             seed, the step, the tensor's name and each element's index in the full tensor only:
             every DDP rank, every FSDP2 shard layout and a resumed run give the same bits.
+        shard: True (the default process group), a ProcessGroup or a 1-D DeviceMesh: for a
+            model replicated across those ranks (DDP), each rank keeps only its chunk of every
+            averaged tensor (a DTensor), updated from its own replica with no communication;
+            swapped(), copy_to(), module and full_state_dict() gather (collectives: every rank
+            calls them). Build it on every rank, after wrapping the model in DDP.
         use_warmup, warmup_gamma, warmup_power, exclude_buffers, foreach: timm ModelEmaV3's
             spellings, accepted so that it can be swapped in unchanged.
     """
@@ -92,6 +98,7 @@ class ModelEma:
         on_mismatch: str = "error",
         stochastic_rounding: bool = True,
         stochastic_rounding_seed: int = 0,
+        shard=False,
         use_warmup: bool | None = None,
         warmup_gamma: float = 1.0,
         warmup_power: float = 2.0 / 3.0,
@@ -110,7 +117,9 @@ class ModelEma:
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         options = check_options(decay, min_decay, warmup, update_after_step, update_every)
         self._rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
-        policy = EntryPolicy(torch.device(device) if device is not None else None, dtype, buffers)
+        policy = EntryPolicy(
+            torch.device(device) if device is not None else None, dtype, buffers, resolve(shard)
+        )
         self._init_transient()
         self._binding = Binding(self, unwrap_model(model), policy, on_mismatch, self._seed())
         self._schedule = Schedule(options, self._binding.schedule_device())
@@ -367,7 +376,7 @@ class ModelEma:
             except (TypeError, ValueError) as err:
                 raise CheckpointError([f"rounding: {err}"], source) from err
         with torch.no_grad():
-            copy_all([(None, value, entry.ema) for entry, value in prepared.values])
+            copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
             self._schedule.load(prepared.options, prepared.step)
         if rounding is not None:
             self._rounding = rounding
