@@ -18,20 +18,12 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
-# The meshes of sharded EMAs of replicated models (fused_ema/_shard.py): a DTensor EMA on one of
-# them pairs with a plain model tensor, of which it averages one chunk.
-replica_meshes: list = []
-
-
-def is_replica_shard(t) -> bool:
-    """Whether `t` is a chunk of the EMA of a replicated model (ModelEma(shard=...))."""
-    return is_dtensor(t) and any(t.device_mesh is m for m in replica_meshes)
-
-
 def replica_cut(ema, src) -> tuple | None:
-    """(dim, start, length): the part of the plain model tensor `src` that the replica shard
-    `ema` averages; None when they pair whole (or shard by shard)."""
-    if not is_replica_shard(ema) or is_dtensor(src):
+    """(dim, start, length): the part of the plain model tensor `src` that a sharded EMA tensor
+    averages (ModelEma(shard=...) of a replicated model); None when they pair whole or shard by
+    shard. (An FSDP2 EMA meets plain model tensors only while FSDP holds them unsharded, which
+    refuse_unsharded turns away before any pairing.)"""
+    if not is_dtensor(ema) or is_dtensor(src) or ema.device_mesh.ndim != 1:
         return None
     (placement,) = ema.placements
     if not placement.is_shard():
@@ -47,7 +39,7 @@ def same_layout(ema: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether the EMA tensor `ema` still fits the model tensor `t` (shape and sharding)."""
     if tuple(ema.shape) != tuple(t.shape):
         return False
-    return sharding(ema) == sharding(t) or (is_replica_shard(ema) and not is_dtensor(t))
+    return sharding(ema) == sharding(t) or replica_cut(ema, t) is not None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -177,16 +169,17 @@ def unsharded_names(pairs) -> list[str]:
     ]
 
 
-def gather_full(entries, rank, cpu_offload: bool) -> dict:
+def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> dict:
     """ema.full_state_dict(): whole, plain tensors by name; a DTensor is all-gathered (every rank
-    must call), and only `rank` keeps the result (rank=None: every rank)."""
+    must call), and only `rank` keeps the result (rank=None: every rank). `replicated`: the
+    sharded EMA of a replicated model, gathered in buckets of its flat buffers."""
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     keep = rank is None or not distributed or dist.get_rank() == rank
     out = {}
     gathered: dict = {}
     with torch.no_grad():
-        replicas = [e for e in entries if is_replica_shard(e.ema)]
+        replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
         if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
             from ._shard import gather_into
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._dtensor import is_dtensor, local, replica_meshes
+from ._dtensor import is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
 BUCKET_BYTES = 64 << 20
@@ -24,6 +24,12 @@ def resolve(shard) -> ShardSpec | None:
     """The ShardSpec for ModelEma's `shard` argument (False/None: not sharded)."""
     if shard is False or shard is None:
         return None
+    kinds = ("ProcessGroup", "DeviceMesh")
+    if shard is not True and type(shard).__name__ not in kinds:
+        raise TypeError(
+            "fused_ema: shard must be False, True (the default process group), a ProcessGroup or "
+            f"a 1-D DeviceMesh, got {type(shard).__name__}"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             "fused_ema: shard=... splits the EMA across the ranks of a process group, and "
@@ -98,7 +104,6 @@ class ShardSpec:
 
     def _add(self, device_type: str, mesh):
         self.meshes[device_type] = mesh
-        replica_meshes.append(mesh)
         return mesh
 
     def mesh(self, device: torch.device):
@@ -146,7 +151,7 @@ class ShardSpec:
 
         groups: dict = {}
         for k, e in enumerate(entries):
-            if is_dtensor(e.ema) and any(e.ema.device_mesh is m for m in self.meshes.values()):
+            if is_dtensor(e.ema):  # refuse_sharded: every DTensor here is a chunk of ours
                 chunk_ = local(e.ema)
                 groups.setdefault((chunk_.dtype, chunk_.device), []).append(k)
         out = list(entries)
@@ -157,7 +162,7 @@ class ShardSpec:
             for k, (offset, _) in zip(ks, slots):
                 e = entries[k]
                 old = local(e.ema)
-                view = flat[offset : offset + old.numel()].view(old.shape)
+                view = _alias(flat[offset : offset + old.numel()]).view(old.shape)
                 view.copy_(old)
                 ema = DTensor.from_local(
                     view,
@@ -218,6 +223,12 @@ class ShardSpec:
             )
 
 
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as a tensor of its own (storage offset 0): torch.save cannot save a
+    DTensor whose local tensor starts inside its storage."""
+    return torch.from_dlpack(view) if view.numel() else view.clone()
+
+
 def _checksums(tensors) -> list:
     """Per tensor, the sum of its elements' bit patterns (exact, identical for identical
     values); one host read per device."""
@@ -264,41 +275,43 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     gather(out, inp, group=group)
 
 
-def _comm_device(flat: torch.Tensor, group) -> torch.device:
-    """Where a bucket is gathered: with the buffer, unless the backend cannot reach it (a CPU
+def _comm_device(device: torch.device, group) -> torch.device:
+    """Where a bucket is gathered: with the chunks, unless the backend cannot reach them (a CPU
     EMA over NCCL gathers on the current GPU)."""
-    if flat.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
+    if device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
-    return flat.device
+    return device
 
 
-def gather_flat(flat: torch.Tensor, slots: list, group, world: int) -> None:
-    """All-gathers the chunks of `slots` [(offset, capacity, numel, target or None)] from every
-    rank's `flat` (laid out alike everywhere) in buckets of at most BUCKET_BYTES, writing each
-    whole tensor into its target (a rank with None targets takes part without keeping)."""
-    slots = sorted((s for s in slots if s[1] > 0), key=lambda s: s[0])
-    if not slots:
+def gather_chunks(items: list, group, world: int) -> None:
+    """All-gathers tensors split as ModelEma(shard=...) splits them, writing each whole tensor
+    into its target. `items`: [(this rank's chunk, full shape, target or None)], one dtype and
+    device, in the same order on every rank (a rank with None targets takes part without
+    keeping anything). The chunks are laid out end to end, each with its longest chunk's
+    capacity, and gathered in buckets of at most BUCKET_BYTES."""
+    if not items:
         return
-    step = max(1, BUCKET_BYTES // (world * flat.element_size()))
-    device = _comm_device(flat, group)
-    spans: list = []  # merged [start, end) ranges of the buffer to gather
-    for offset, capacity, _, _ in slots:
-        if spans and offset <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], offset + capacity)
-        else:
-            spans.append([offset, offset + capacity])
+    first = items[0][0]
+    itemsize = first.element_size()
+    slots, total = layout([tuple(shape) for _, shape, _ in items], world, itemsize)
+    step = max(1, BUCKET_BYTES // (world * itemsize))
+    device = _comm_device(first.device, group)
     staged = {}  # non-contiguous targets: filled whole, then copied in
-    for start, end in spans:
-        for a in range(start, end, step):
-            b = min(end, a + step)
-            out = torch.empty(world * (b - a), dtype=flat.dtype, device=device)
-            _all_gather(out, flat[a:b].to(device), group)
-            out = out.view(world, b - a)
-            for offset, capacity, numel, target in slots:
-                if target is None or offset >= b or offset + capacity <= a:
-                    continue
-                dst = _flat_target(target, staged)
-                _copy_out(out, a, b, offset, capacity, numel, dst)
+    for a in range(0, total, step):
+        b = min(total, a + step)
+        send = torch.empty(b - a, dtype=first.dtype, device=device)
+        for (offset, _), (part, _, _) in zip(slots, items):
+            n = part.numel()
+            lo, hi = max(a, offset) - offset, min(b, offset + n) - offset
+            if hi > lo:
+                send[offset + lo - a : offset + hi - a].copy_(part.reshape(-1)[lo:hi])
+        out = torch.empty(world * (b - a), dtype=first.dtype, device=device)
+        _all_gather(out, send, group)
+        out = out.view(world, b - a)
+        for (offset, capacity), (_, _, target) in zip(slots, items):
+            if target is None or capacity == 0 or offset >= b or offset + capacity <= a:
+                continue
+            _copy_out(out, a, b, offset, capacity, target.numel(), _flat_target(target, staged))
     for target, whole in staged.values():
         target.copy_(whole.view(target.shape))
 
@@ -331,52 +344,39 @@ def _copy_out(out, a: int, b: int, offset: int, capacity: int, numel: int, dst) 
             dst[lo:hi].copy_(out[r, col : col + hi - lo])
 
 
-def _flat_of(t: torch.Tensor) -> torch.Tensor:
-    """The whole flat buffer a chunk is a view into."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+def _by_kind(items: list) -> list:
+    """`items` split by (dtype, device) of their chunks, in first-seen order."""
+    kinds: dict = {}
+    for item in items:
+        kinds.setdefault((item[0].dtype, item[0].device), []).append(item)
+    return list(kinds.values())
 
 
 def gather_into(pairs) -> None:
-    """Writes the full value of every replica-shard EMA tensor into its target [(ema, target or
-    None)]: one bucketed gather per flat buffer, in the same order on every rank."""
-    by_flat: dict = {}
-    for ema, target in pairs:
-        chunk_ = local(ema)
-        key = (chunk_.device, chunk_.dtype, chunk_.untyped_storage().data_ptr())
-        by_flat.setdefault(key, []).append((ema, target))
-    for items in by_flat.values():
-        first = items[0][0]
-        mesh = first.device_mesh
-        slots = [
-            (local(ema).storage_offset(), chunk_capacity(ema.shape, mesh.size()), ema.numel(), t)
-            for ema, t in items
-        ]
-        gather_flat(_flat_of(local(first)), slots, mesh.get_group(), mesh.size())
+    """Writes the full value of every sharded EMA tensor into its target [(ema, target or
+    None)]: a collective, in the same order on every rank."""
+    if not pairs:
+        return
+    mesh = pairs[0][0].device_mesh
+    items = [(local(ema), tuple(ema.shape), target) for ema, target in pairs]
+    for kind in _by_kind(items):
+        gather_chunks(kind, mesh.get_group(), mesh.size())
 
 
 class SavedSlices:
-    """Each rank's own chunk of model tensors (1/world of them), kept in flat buffers laid out as
-    the EMA's, so that gathering them puts the whole tensors back."""
+    """Each rank's own chunk of model tensors (1/world of them), so that gathering them puts the
+    whole tensors back."""
 
-    def __init__(self, pairs, group, world: int, rank: int):
+    def __init__(self, targets, group, world: int, rank: int):
         self.group, self.world = group, world
-        self.flats = []
-        by_kind: dict = {}
-        for ema, target in pairs:
-            by_kind.setdefault((target.dtype, target.device), []).append((ema, target))
-        for (dtype, device), items in by_kind.items():
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            slots, total = layout([tuple(t.shape) for _, t in items], world, itemsize)
-            flat = torch.empty(total, dtype=dtype, device=device)
-            kept = []
-            for (ema, target), (offset, capacity) in zip(items, slots):
-                d = shard_dim(target.shape)
-                start, length = chunk(target.shape[d], world, rank) if target.dim() else (0, 1)
-                part = target.narrow(d, start, length) if target.dim() else target
-                flat[offset : offset + part.numel()].view(part.shape).copy_(part)
-                kept.append((offset, capacity, target.numel(), target))
-            self.flats.append((flat, kept))
+        self.items = []
+        for target in targets:
+            d = shard_dim(target.shape)
+            start, length = chunk(target.shape[d], world, rank) if target.dim() else (0, 1)
+            part = target.narrow(d, start, length) if target.dim() else target
+            own = part.clone(memory_format=torch.contiguous_format)
+            self.items.append((own, target.shape, target))
 
     def restore(self) -> None:
-        for flat, kept in self.flats:
-            gather_flat(flat, kept, self.group, self.world)
+        for kind in _by_kind(self.items):
+            gather_chunks(kind, self.group, self.world)

@@ -2,14 +2,14 @@
 dtype and device: the values are exchanged in place through a scratch buffer of at most
 SWAP_CHUNK_BYTES per dtype and device. Otherwise (a bf16 model with a float32 EMA, an EMA on
 another device, tensors sharing memory) the model's values are saved aside first. Every write is
-undone if the swap-in fails part-way. A sharded EMA of a replicated model (ModelEma(shard=...)) is
-all-gathered straight into the model's tensors, each rank saving aside only its own chunk of them."""
+undone if the swap-in fails part-way. A sharded EMA of a replicated model (ModelEma(shard=...))
+is all-gathered straight into the model's tensors, each rank saving aside only its own chunk."""
 
 from __future__ import annotations
 
 import torch
 
-from ._dtensor import copy_into, is_dtensor, is_replica_shard, local, replica_cut
+from ._dtensor import copy_into, is_dtensor, local, replica_cut
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -79,7 +79,8 @@ class Swap:
         from ._shard import SavedSlices, gather_into
 
         mesh = self._gathered[0][0].device_mesh
-        slices = SavedSlices(self._gathered, mesh.get_group(), mesh.size(), mesh.get_local_rank())
+        targets = [t for _, t in self._gathered]
+        slices = SavedSlices(targets, mesh.get_group(), mesh.size(), mesh.get_local_rank())
         self._slices = slices  # from here on, swap_out puts the model back
         gather_into(self._gathered)
 
@@ -141,7 +142,7 @@ def check_resharding(pairs) -> None:
     """A sharded value for a replica shard must come from a mesh of the same size: anything else
     is a checkpoint of another world size, which only DCP reshards."""
     for name, value, target in pairs:
-        if not (is_replica_shard(target) and is_dtensor(value)):
+        if not (is_dtensor(target) and is_dtensor(value)):
             continue
         theirs, ours = value.device_mesh.size(), target.device_mesh.size()
         if theirs != ours or local(value).shape != local(target).shape:

@@ -23,7 +23,6 @@ from ._binding import Binding
 from ._dtensor import gather_full, reshard_fsdp
 from ._loader import _C
 from ._plan import UpdatePlan
-from ._shard import resolve
 from ._schedule import (
     Schedule,
     check_options,
@@ -31,6 +30,7 @@ from ._schedule import (
     options_from_state,
     rounding_from_state,
 )
+from ._shard import resolve
 from ._stats import ema_stats
 from ._swap import Swap, check_writable, copy_all
 from ._tracking import (
@@ -406,7 +406,8 @@ class ModelEma:
         every rank must call this. With `rank`, only that rank keeps the result and the others get
         {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
         self._ready("full_state_dict")
-        return gather_full(self._binding.table.entries, rank, cpu_offload)
+        shard = self._binding.policy.shard is not None
+        return gather_full(self._binding.table.entries, rank, cpu_offload, shard)
 
     def _warn_precision(self) -> None:
         low = {
