@@ -28,11 +28,10 @@ def replica_cut(ema, src) -> tuple | None:
     (placement,) = ema.placements
     if not placement.is_shard():
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, start = compute_local_shape_and_global_offset(ema.shape, ema.device_mesh, ema.placements)
-    dim = placement.dim
-    return dim, int(start[dim]), int(shape[dim])
+    dim, mesh = placement.dim, ema.device_mesh
+    rows = -(-ema.shape[dim] // mesh.size())  # torch.chunk, as Shard cuts
+    start = min(rows * mesh.get_local_rank(), ema.shape[dim])
+    return dim, start, ema._local_tensor.shape[dim]
 
 
 def same_layout(ema: torch.Tensor, t: torch.Tensor) -> bool:

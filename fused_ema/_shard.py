@@ -297,15 +297,17 @@ def gather_chunks(items: list, group, world: int) -> None:
     step = max(1, BUCKET_BYTES // (world * itemsize))
     device = _comm_device(first.device, group)
     staged = {}  # non-contiguous targets: filled whole, then copied in
+    send_buffer = torch.empty(min(step, total), dtype=first.dtype, device=device)
+    out_buffer = torch.empty(world * min(step, total), dtype=first.dtype, device=device)
     for a in range(0, total, step):
         b = min(total, a + step)
-        send = torch.empty(b - a, dtype=first.dtype, device=device)
+        send = send_buffer[: b - a]
         for (offset, _), (part, _, _) in zip(slots, items):
             n = part.numel()
             lo, hi = max(a, offset) - offset, min(b, offset + n) - offset
             if hi > lo:
                 send[offset + lo - a : offset + hi - a].copy_(part.reshape(-1)[lo:hi])
-        out = torch.empty(world * (b - a), dtype=first.dtype, device=device)
+        out = out_buffer[: world * (b - a)]
         _all_gather(out, send, group)
         out = out.view(world, b - a)
         for (offset, capacity), (_, _, target) in zip(slots, items):

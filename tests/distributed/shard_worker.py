@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fused_ema
@@ -121,7 +122,8 @@ def train(out: Path, rank: int, world: int) -> dict:
     sharded = fused_ema.ModelEma(model, shard=True, **SETTINGS)
     reference = fused_ema.ModelEma(model, **SETTINGS)
     on_cpu = fused_ema.ModelEma(model, shard=dist.group.WORLD, device="cpu", **SETTINGS)
-    sr = fused_ema.ModelEma(model, shard=True, dtype=torch.bfloat16, **SETTINGS)
+    mesh = init_device_mesh("cpu", (world,))
+    sr = fused_ema.ModelEma(model, shard=mesh, dtype=torch.bfloat16, **SETTINGS)
     sr_ref = fused_ema.ModelEma(model, dtype=torch.bfloat16, **SETTINGS)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     collectives = count_collectives()
@@ -225,10 +227,15 @@ def dcp_load(out: Path, rank: int, world: int, checkpoint: str) -> dict:
     sharded = all(
         isinstance(t, DTensor) for t in ema.state_dict()["weights"].values() if t.dim() > 0
     )
+    # plain full weights (a model state dict) load too: each rank keeps its chunk of them
+    plain = fused_ema.ModelEma(ddp_model(seed=9), shard=True, **SETTINGS)
+    plain.load_state_dict(expected["weights"], strict=True)
+    plain_differs = bits_equal(plain.full_state_dict(rank=None), expected["weights"])
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch(1, rank))
     ema.update(model)
     return {
         "differs": bits_equal(full, expected["weights"]),
+        "plain_differs": plain_differs,
         "step": ema.step,
         "expected_step": expected["step"],
         "sharded": sharded,
