@@ -18,6 +18,12 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def chunk_dim(shape) -> int:
+    """The dimension a sharded EMA of a replicated model is cut along: the first longer than 1,
+    so that each chunk is one row-major block of the full tensor."""
+    return next((d for d, size in enumerate(shape) if size > 1), 0)
+
+
 def replica_cut(ema, src) -> tuple | None:
     """(dim, start, length): the part of the plain model tensor `src` that a sharded EMA tensor
     averages (ModelEma(shard=...) of a replicated model); None when they pair whole or shard by
@@ -26,7 +32,7 @@ def replica_cut(ema, src) -> tuple | None:
     if not is_dtensor(ema) or is_dtensor(src) or ema.device_mesh.ndim != 1:
         return None
     (placement,) = ema.placements
-    if not placement.is_shard():
+    if not placement.is_shard() or placement.dim != chunk_dim(ema.shape):
         return None
     dim, mesh = placement.dim, ema.device_mesh
     rows = -(-ema.shape[dim] // mesh.size())  # torch.chunk, as Shard cuts

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._dtensor import chunk_dim as shard_dim
 from ._dtensor import is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
@@ -54,12 +55,6 @@ def resolve(shard) -> ShardSpec | None:
         "fused_ema: shard must be False, True (the default process group), a ProcessGroup or a "
         f"1-D DeviceMesh, got {type(shard).__name__}"
     )
-
-
-def shard_dim(shape) -> int:
-    """The dimension chunked across ranks: the first longer than 1, so that a chunk is one
-    row-major block of the full tensor (its leading dimensions have size 1)."""
-    return next((d for d, size in enumerate(shape) if size > 1), 0)
 
 
 def chunk(size: int, world: int, rank: int) -> tuple[int, int]:

@@ -154,10 +154,16 @@ def test_structure_changes_behave_as_unsharded_on_every_rank(world, tmp_path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_model_not_replicated_identically_fails_on_every_rank(world, tmp_path):
-    errors = [r["error"] for r in torchrun("bad_replica", tmp_path, world)]
+    ranks = torchrun("bad_replica", tmp_path, world)
+    errors = [r["error"] for r in ranks]
     assert errors[0] is not None and all(e == errors[0] for e in errors)
     assert "replicated identically" in errors[0] and "holds other values" in errors[0]
     assert "rank 1" in errors[0]
+    for r in ranks:
+        assert r["copied_differs"] == []  # a deepcopy keeps working, alike
+        assert r["pickled"].startswith("TypeError") and "dcp" not in r["pickled"]
+        assert "torch.distributed.checkpoint" in r["pickled"]
+        assert r["mesh"].startswith("ValueError") and "1-D DeviceMesh" in r["mesh"]
 
 
 def test_shard_needs_an_initialised_process_group():

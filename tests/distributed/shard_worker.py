@@ -10,7 +10,9 @@ runs under a 30 s timeout.
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import sys
 import traceback
 from datetime import timedelta
@@ -319,7 +321,28 @@ def bad_replica(out: Path, rank: int, world: int) -> dict:
         error = None
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
-    return {"error": error}
+    # a copy of a sharded EMA works on (the process group is shared); a pickle is refused
+    model = ddp_model().module
+    ema = fused_ema.ModelEma(model, shard=True, **SETTINGS)
+    ema.update(model, step=1)
+    twin = copy.deepcopy(ema)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    ema.update(model, step=4)
+    twin.update(model, step=4)
+    copied_differs = bits_equal(twin.full_state_dict(rank=None), ema.full_state_dict(rank=None))
+    try:
+        pickle.dumps(ema)
+        pickled = None
+    except Exception as err:
+        pickled = f"{type(err).__name__}: {err}"
+    try:
+        fused_ema.ModelEma(nn.Linear(2, 2), shard=init_device_mesh("cpu", (1, world)))
+        mesh_2d = None
+    except Exception as err:
+        mesh_2d = f"{type(err).__name__}: {err}"
+    return {"error": error, "copied_differs": copied_differs, "pickled": pickled, "mesh": mesh_2d}
 
 
 SCENARIOS = {
