@@ -139,17 +139,22 @@ def _exchange_chunk(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> 
 
 
 def check_resharding(pairs) -> None:
-    """A sharded value for a replica shard must come from a mesh of the same size: anything else
-    is a checkpoint of another world size, which only DCP reshards."""
+    """A sharded value must come from a mesh the size of the EMA's (or, for a plain EMA tensor,
+    no larger than the job): anything else is a checkpoint of another world size, which only DCP
+    reshards."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for name, value, target in pairs:
-        if not (is_dtensor(target) and is_dtensor(value)):
+        if not is_dtensor(value):
             continue
-        theirs, ours = value.device_mesh.size(), target.device_mesh.size()
-        if theirs != ours or local(value).shape != local(target).shape:
+        theirs = value.device_mesh.size()
+        ours = target.device_mesh.size() if is_dtensor(target) else world
+        if theirs != ours if is_dtensor(target) else theirs > world:
+            here = "this EMA is sharded over" if is_dtensor(target) else "this job has"
             raise ValueError(
                 f"fused_ema: {name or 'a tensor'} is a DTensor sharded over {theirs} ranks "
-                f"(local shape {list(local(value).shape)}), but this EMA is sharded over {ours} "
-                f"(local shape {list(local(target).shape)}): a sharded checkpoint saved at another "
+                f"(local shape {list(local(value).shape)}), but {here} {ours}: a sharded "
+                "checkpoint saved at another "
                 "world size is resharded by torch.distributed.checkpoint (state = "
                 "ema.state_dict(); dcp.load(state, checkpoint_id=...); ema.load_state_dict(state)),"
                 " not by torch.save/torch.load; nothing was loaded"

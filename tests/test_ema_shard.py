@@ -171,3 +171,23 @@ def test_shard_needs_an_initialised_process_group():
         fused_ema.ModelEma(ShardNet(), shard=True)
     with pytest.raises(TypeError, match="ProcessGroup"):
         fused_ema.ModelEma(ShardNet(), shard="world")
+
+
+def test_the_shard_benchmark_runs_and_reports_total_over_world(tmp_path):
+    from benchmarks import shard
+
+    padding = {(r["model"], r["world"]): r for r in shard.padding_table()}
+    assert padding[("vit", 4)]["per_rank_mb"] * 4 >= padding[("vit", 4)]["total_mb"]
+    assert all(0 <= r["overhead_pct"] < 1 for r in padding.values())
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "benchmarks.shard", "--worlds", "2", "--model", "resnet50"]
+    cmd += ["--rounds", "1", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, check=True, cwd=root, env=env, timeout=240, capture_output=True)
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("shard_resnet50_*.json")]
+    ranks = record["worlds"]["2"]
+    for r in ranks:
+        assert r["chunk_bytes"] <= r["buffer_span_bytes"] <= r["unsharded_bytes"] / 2 + 2**16
+    assert (
+        sum(r["chunk_bytes"] + r["whole_bytes"] / 2 for r in ranks) == ranks[0]["unsharded_bytes"]
+    )
