@@ -29,11 +29,23 @@ class Binding:
         self.on_mismatch = on_mismatch
         self.seed = seed  # stochastic rounding of 16-bit EMA tensors; None: round to nearest
         tracked = policy.select(named_tensors(model, self.with_buffers), warn_unused=True)
+        if policy.shard is not None:
+            policy.shard.check_replicated(tracked)
         with torch.no_grad():
-            self.table = EntryTable([policy.new_entry(t) for t in tracked])
+            self.table = self._packed(EntryTable([policy.new_entry(t) for t in tracked]))
         self.plan: UpdatePlan | None = None
         self.model_ref = weakref.ref(model)
-        self.module = build_module(ema, self.table.entries, model)
+        self.module = self._build_module(ema, self.table.entries, model)
+
+    def _packed(self, table: EntryTable) -> EntryTable:
+        """A sharded EMA's chunks in one flat buffer per dtype and device (see _shard.py)."""
+        shard = self.policy.shard
+        return table if shard is None else EntryTable(shard.pack(table.entries))
+
+    def _build_module(self, ema, entries, model) -> nn.Module:
+        if self.policy.shard is not None:  # each forward gathers the EMA into the model
+            return SwappedModelView(ema, model)
+        return build_module(ema, entries, model)
 
     @property
     def with_buffers(self) -> bool:
@@ -60,7 +72,7 @@ class Binding:
         if plan is not None and plan.snapshot == snapshot and plan.matches(walk, names):
             return plan, None
         tracked = self.tracked(model)
-        refuse_unsharded(self.table.by_name, tracked)
+        refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
         table = self.table
         changes = table.changes(tracked)
         if changes:
@@ -74,14 +86,14 @@ class Binding:
                     hint=_RESYNC_HINT,
                 )
             with torch.no_grad():
-                table = table.followed(tracked, self.policy)
+                table = self._packed(table.followed(tracked, self.policy))
         return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
 
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)
-        refuse_unsharded(self.table.by_name, tracked)
+        refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
         with torch.no_grad():
-            table = self.table.followed(tracked, self.policy)
+            table = self._packed(self.table.followed(tracked, self.policy))
         self.adopt(ema, model, table, tracked, schedule)
 
     def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False):
@@ -102,7 +114,9 @@ class Binding:
         if self.policy.device is None:  # each EMA tensor follows its model tensor
             for e in table.entries:
                 src = current[e.name]
-                if not is_dtensor(src) and e.ema.device != src.device and not src.is_meta:
+                if is_dtensor(e.ema) or is_dtensor(src) or src.is_meta:
+                    continue  # a shard stays where it was made
+                if e.ema.device != src.device:
                     moves.append((e.ema, e.ema.data, e.ema.data.to(src.device)))
         for tensor, _, moved in moves:
             tensor.data = moved
@@ -112,7 +126,7 @@ class Binding:
             schedule.place(self.schedule_device(table))
             module = self.module
             if table is not self.table or moves:
-                module = build_module(ema, table.entries, model)
+                module = self._build_module(ema, table.entries, model)
         except BaseException:
             for tensor, before, _ in moves:
                 tensor.data = before
@@ -132,7 +146,7 @@ class Binding:
     def pairs_with(self, model: nn.Module) -> list:
         """(name, EMA tensor, model tensor) for every entry, matched by name and shape."""
         tracked = self.tracked(model)
-        refuse_unsharded(self.table.by_name, tracked)
+        refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
         changes = self.table.changes(tracked)
         if changes.added or changes.removed or changes.reshaped or changes.renamed:
             raise StructureMismatchError(
@@ -150,7 +164,7 @@ class Binding:
             model = self.model_ref()
             if model is None:
                 raise RuntimeError("ema.module: call ema.update(model) or ema.resync(model) first")
-            self.module = build_module(ema, self.table.entries, model)
+            self.module = self._build_module(ema, self.table.entries, model)
         return self.module
 
     def set_seed(self, seed) -> None:

@@ -18,6 +18,35 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def chunk_dim(shape) -> int:
+    """The dimension a sharded EMA of a replicated model is cut along: the first longer than 1,
+    so that each chunk is one row-major block of the full tensor."""
+    return next((d for d, size in enumerate(shape) if size > 1), 0)
+
+
+def replica_cut(ema, src) -> tuple | None:
+    """(dim, start, length): the part of the plain model tensor `src` that a sharded EMA tensor
+    averages (ModelEma(shard=...) of a replicated model); None when they pair whole or shard by
+    shard. (An FSDP2 EMA meets plain model tensors only while FSDP holds them unsharded, which
+    refuse_unsharded turns away before any pairing.)"""
+    if not is_dtensor(ema) or is_dtensor(src) or ema.device_mesh.ndim != 1:
+        return None
+    (placement,) = ema.placements
+    if not placement.is_shard() or placement.dim != chunk_dim(ema.shape):
+        return None
+    dim, mesh = placement.dim, ema.device_mesh
+    rows = -(-ema.shape[dim] // mesh.size())  # torch.chunk, as Shard cuts
+    start = min(rows * mesh.get_local_rank(), ema.shape[dim])
+    return dim, start, ema._local_tensor.shape[dim]
+
+
+def same_layout(ema: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether the EMA tensor `ema` still fits the model tensor `t` (shape and sharding)."""
+    if tuple(ema.shape) != tuple(t.shape):
+        return False
+    return sharding(ema) == sharding(t) or replica_cut(ema, t) is not None
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds (the same tensor object every call, unlike to_local())."""
     return t._local_tensor if is_dtensor(t) else t
@@ -145,15 +174,34 @@ def unsharded_names(pairs) -> list[str]:
     ]
 
 
-def gather_full(entries, rank, cpu_offload: bool) -> dict:
+def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> dict:
     """ema.full_state_dict(): whole, plain tensors by name; a DTensor is all-gathered (every rank
-    must call), and only `rank` keeps the result (rank=None: every rank)."""
+    must call), and only `rank` keeps the result (rank=None: every rank). `replicated`: the
+    sharded EMA of a replicated model, gathered in buckets of its flat buffers."""
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized()
     keep = rank is None or not distributed or dist.get_rank() == rank
     out = {}
+    gathered: dict = {}
     with torch.no_grad():
+        replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
+        if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
+            from ._shard import gather_into
+
+            where = "cpu" if cpu_offload else None
+            full = [
+                torch.empty(e.ema.shape, dtype=e.ema.dtype, device=where or local(e.ema).device)
+                if keep
+                else None
+                for e in replicas
+            ]
+            gather_into([(e.ema, t) for e, t in zip(replicas, full)])
+            gathered = {id(e): t for e, t in zip(replicas, full)}
         for entry in entries:
+            if id(entry) in gathered:
+                if keep:
+                    out.update({name: gathered[id(entry)] for name in entry.names})
+                continue
             value = full_value(entry.ema.detach())  # every rank joins the gather
             if not keep:
                 continue
@@ -165,8 +213,12 @@ def gather_full(entries, rank, cpu_offload: bool) -> dict:
     return out
 
 
-def refuse_unsharded(by_name: dict, tracked) -> None:
-    """An FSDP2 model between forward and backward holds unsharded parameters: refuse them."""
+def refuse_unsharded(by_name: dict, tracked, replicated=None) -> None:
+    """An FSDP2 model between forward and backward holds unsharded parameters: refuse them. The
+    sharded EMA of a replicated model (`replicated`: its ShardSpec) refuses sharded ones."""
+    if replicated is not None:
+        replicated.refuse_sharded(tracked)
+        return
     pairs = [(n, by_name[n].ema, t.tensor) for t in tracked for n in t.names if n in by_name]
     names = unsharded_names(pairs)
     if names:

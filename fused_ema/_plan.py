@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._dtensor import is_dtensor, local, shard_offset
+from ._dtensor import is_dtensor, local, replica_cut, shard_offset
 from ._loader import _C
 from ._tracking import EntryTable
 from .ops import SUPPORTED_DTYPE_PAIRS, lerp_, lerp_stochastic_
@@ -44,7 +44,8 @@ class DeviceGroup:
     ema: list = field(default_factory=list)
     direct: tuple = ()  # walk indices of plain model tensors
     shards: list = field(default_factory=list)  # walk indices of DTensor model tensors
-    staged: list = field(default_factory=list)  # walk indices of the staged sources
+    cuts: list = field(default_factory=list)  # (walk index, dim, start, length): a replica's rows
+    staged: list = field(default_factory=list)  # (walk index, cut or None) of staged sources
     staging: list = field(default_factory=list)  # where each staged source lands
     wait_for: set = field(default_factory=set)  # CUDA devices whose copies land in pinned memory
     # Stochastic rounding of 16-bit EMAs: the seed (None: round to nearest), and per EMA tensor
@@ -75,10 +76,12 @@ class DeviceGroup:
         out = take(walk, self.direct) if self.direct else []
         if self.shards:
             out += [walk[i]._local_tensor for i in self.shards]
+        if self.cuts:
+            out += [walk[i].narrow(d, s, n) for i, d, s, n in self.cuts]
         return out + self.staging
 
     def staged_copies(self, walk: list) -> list:
-        return [(view, local(walk[i])) for view, i in zip(self.staging, self.staged)]
+        return [(view, _part(walk[i], cut)) for view, (i, cut) in zip(self.staging, self.staged)]
 
 
 @dataclass
@@ -105,6 +108,7 @@ class UpdatePlan:
         self.copies: dict[tuple, CopyGroup] = {}
         direct: dict = {}
         shards: dict = {}
+        cuts: dict = {}
         staged: dict = {}
         streams: dict = {}
         for entry in table.entries:
@@ -121,12 +125,16 @@ class UpdatePlan:
                 continue
             device = ema.device
             self.groups.setdefault(device, DeviceGroup(device))
+            cut = replica_cut(entry.ema, walk[index])  # ModelEma(shard=...): its rows only
             if not snap and src.device == device and pair_supported(ema.dtype, src.dtype):
-                bucket = shards if is_dtensor(walk[index]) else direct
-                bucket.setdefault(device, []).append((ema, index))
+                if cut is not None:
+                    cuts.setdefault(device, []).append((ema, (index, *cut)))
+                else:
+                    bucket = shards if is_dtensor(walk[index]) else direct
+                    bucket.setdefault(device, []).append((ema, index))
             else:
                 dtype = src.dtype if pair_supported(ema.dtype, src.dtype) else ema.dtype
-                staged.setdefault((device, src.device, dtype), []).append((ema, index))
+                staged.setdefault((device, src.device, dtype), []).append((ema, (index, cut)))
             streams[id(ema)] = entry
         for device, items in direct.items():
             group = self.groups[device]
@@ -136,10 +144,14 @@ class UpdatePlan:
             group = self.groups[device]
             group.ema += [e for e, _ in items]
             group.shards = [i for _, i in items]
+        for device, items in cuts.items():
+            group = self.groups[device]
+            group.ema += [e for e, _ in items]
+            group.cuts = [c for _, c in items]
         for (device, src_device, dtype), items in staged.items():
             group = self.groups[device]
             pin = device.type == "cpu" and src_device.type == "cuda"
-            shapes = [local(walk[i]).shape for _, i in items]
+            shapes = [_part(walk[i], cut).shape for _, (i, cut) in items]
             group.ema += [e for e, _ in items]
             group.staged += [i for _, i in items]
             group.staging += _staging_views(device, dtype, shapes, pin)
@@ -241,8 +253,8 @@ class UpdatePlan:
         """Copies staged sources into place; nothing of the EMA is written yet."""
         waits = set()
         for group in groups:
-            for view, i in zip(group.staging, group.staged):
-                view.copy_(local(values[i]), non_blocking=True)
+            for view, (i, cut) in zip(group.staging, group.staged):
+                view.copy_(_part(values[i], cut), non_blocking=True)
             waits |= group.wait_for
         for cuda_device in waits:
             # copies into pinned host memory must land before the CPU kernel reads them
@@ -265,6 +277,11 @@ def stream_key(name: str) -> int:
 def _first_element(ema: torch.Tensor) -> int:
     """Index in the full tensor of the first element this rank holds (0 unless sharded)."""
     return shard_offset(ema, 0) if is_dtensor(ema) else 0
+
+
+def _part(t: torch.Tensor, cut) -> torch.Tensor:
+    """What an EMA tensor averages of model tensor `t`: its local shard, or its rows `cut`."""
+    return local(t) if cut is None else t.narrow(*cut)
 
 
 def _run_to_the_end(writes: list) -> None:

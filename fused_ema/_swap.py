@@ -2,13 +2,14 @@
 dtype and device: the values are exchanged in place through a scratch buffer of at most
 SWAP_CHUNK_BYTES per dtype and device. Otherwise (a bf16 model with a float32 EMA, an EMA on
 another device, tensors sharing memory) the model's values are saved aside first. Every write is
-undone if the swap-in fails part-way."""
+undone if the swap-in fails part-way. A sharded EMA of a replicated model (ModelEma(shard=...))
+is all-gathered straight into the model's tensors, each rank saving aside only its own chunk."""
 
 from __future__ import annotations
 
 import torch
 
-from ._dtensor import copy_into, local
+from ._dtensor import copy_into, is_dtensor, local, replica_cut
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -43,7 +44,9 @@ class Swap:
     """The writes of one swap-in, and how to undo them."""
 
     def __init__(self, pairs):
-        self._pairs = pairs  # (name, ema tensor, model tensor)
+        self._gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
+        self._pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
+        self._slices = None  # the model's own chunks, while the EMA is gathered into it
         self._exchanged: list = []
         self._saved: list = []
         self._scratch: dict = {}
@@ -58,6 +61,8 @@ class Swap:
         shared = _shared_storage(self._pairs)
         try:
             with torch.no_grad():
+                if self._gathered:
+                    self._gather_in()
                 for name, ema, target in self._pairs:
                     t, e = local(target), local(ema)
                     if name not in shared and _exchangeable(t, e):
@@ -70,8 +75,20 @@ class Swap:
             self.swap_out()
             raise
 
+    def _gather_in(self) -> None:
+        from ._shard import SavedSlices, gather_into
+
+        mesh = self._gathered[0][0].device_mesh
+        targets = [t for _, t in self._gathered]
+        slices = SavedSlices(targets, mesh.get_group(), mesh.size(), mesh.get_local_rank())
+        self._slices = slices  # from here on, swap_out puts the model back
+        gather_into(self._gathered)
+
     def swap_out(self) -> None:
         with torch.no_grad():
+            slices, self._slices = self._slices, None
+            if slices is not None:
+                slices.restore()
             for t, e in reversed(self._exchanged):
                 self._exchange(t, e)
             for t, original in reversed(self._saved):
@@ -121,9 +138,41 @@ def _exchange_chunk(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> 
         raise
 
 
+def check_resharding(pairs) -> None:
+    """A sharded value must come from a mesh the size of the EMA's (or, for a plain EMA tensor,
+    no larger than the job): anything else is a checkpoint of another world size, which only DCP
+    reshards."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for name, value, target in pairs:
+        if not is_dtensor(value):
+            continue
+        theirs = value.device_mesh.size()
+        ours = target.device_mesh.size() if is_dtensor(target) else world
+        if theirs != ours if is_dtensor(target) else theirs > world:
+            here = "this EMA is sharded over" if is_dtensor(target) else "this job has"
+            raise ValueError(
+                f"fused_ema: {name or 'a tensor'} is a DTensor sharded over {theirs} ranks "
+                f"(local shape {list(local(value).shape)}), but {here} {ours}: a sharded "
+                "checkpoint saved at another "
+                "world size is resharded by torch.distributed.checkpoint (state = "
+                "ema.state_dict(); dcp.load(state, checkpoint_id=...); ema.load_state_dict(state)),"
+                " not by torch.save/torch.load; nothing was loaded"
+            )
+
+
 def copy_all(pairs) -> None:
-    """EMA weights into the model (copy_to). Checked first; if an interrupt lands part-way, the
-    remaining copies still run before it propagates."""
+    """EMA weights into the model (copy_to), or loaded values into the EMA. Checked first; if an
+    interrupt lands part-way, the remaining copies still run before it propagates. A sharded EMA
+    of a replicated model is all-gathered into the model's tensors (a collective)."""
+    check_resharding(pairs)
+    gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
+    if gathered:
+        from ._shard import gather_into
+
+        with torch.no_grad():
+            gather_into(gathered)
+        pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
     done = 0
     with torch.no_grad():
         try:

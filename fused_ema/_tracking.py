@@ -233,6 +233,7 @@ class EntryPolicy:
     buffers: str
     copy: tuple = ()  # name patterns copied from the model at every update, not averaged
     ignore: tuple = ()  # name patterns left out of the EMA
+    shard: object = None  # a _shard.ShardSpec: averaged tensors keep this rank's chunk only
 
     def filters(self) -> dict:
         """The name filters as state_dict() saves them."""
@@ -300,7 +301,10 @@ class EntryPolicy:
             device = t.device  # no values yet: resync(model) after materialising the model
         else:
             device = self.device if self.device is not None else t.device
-        ema = t.to(device=device, dtype=dtype, copy=True)
+        if self.shard is not None and average and t.dim() > 0 and not t.is_meta:
+            ema = self.shard.new_ema(t, device, dtype)
+        else:
+            ema = t.to(device=device, dtype=dtype, copy=True)
         if tracked.kind == PARAM:
             ema = nn.Parameter(ema, requires_grad=False)
         return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
@@ -321,9 +325,9 @@ class Changes:
 
 
 def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
-    from ._dtensor import sharding
+    from ._dtensor import same_layout
 
-    return tuple(entry.ema.shape) == tuple(t.shape) and sharding(entry.ema) == sharding(t)
+    return same_layout(entry.ema, t)
 
 
 class EntryTable:

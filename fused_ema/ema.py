@@ -35,6 +35,7 @@ from ._schedule import (
     options_from_state,
     rounding_from_state,
 )
+from ._shard import resolve
 from ._stats import ema_stats
 from ._swap import Swap, check_writable, copy_all
 from ._tracking import (
@@ -92,6 +93,11 @@ class ModelEma(nn.Module):
             see update_every_decay).
         on_mismatch: "error" raises when the model's tensors were added, removed, renamed,
             reshaped or replaced; "resync" follows them (kept tensors keep their average).
+        shard: True (the default process group), a ProcessGroup or a 1-D DeviceMesh: for a
+            model replicated across those ranks (DDP), each rank keeps only its chunk of every
+            averaged tensor (a DTensor), updated from its own replica with no communication;
+            swapped(), copy_to(), module and full_state_dict() gather (collectives: every rank
+            calls them). Build it on every rank, after wrapping the model in DDP.
         update_every_decay: "compensated" (``decay ** update_every`` per update, the same average
             as updating every step) or "plain" (``decay``, as ema-pytorch and Lightning do).
         copy_names, ignore_names: tensors to copy from the model instead of averaging, or to leave
@@ -120,6 +126,7 @@ class ModelEma(nn.Module):
         warmup=False,
         update_every: int = 1,
         on_mismatch: str = "error",
+        shard=False,
         update_every_decay: str = "compensated",
         copy_names=None,
         ignore_names=None,
@@ -155,7 +162,7 @@ class ModelEma(nn.Module):
             copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names
         )
         where = torch.device(device) if device is not None else None
-        policy = EntryPolicy(where, dtype, buffers, *names)
+        policy = EntryPolicy(where, dtype, buffers, *names, resolve(shard))
         self._init_transient()
         self._binding = Binding(self, unwrap_model(model), policy, on_mismatch, self._seed())
         self._schedule = Schedule(options, self._binding.schedule_device())
@@ -552,7 +559,7 @@ class ModelEma(nn.Module):
 
     def _apply_load(self, prepared, rounding) -> None:
         with torch.no_grad():
-            copy_all([(None, value, entry.ema) for entry, value in prepared.values])
+            copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
             self._schedule.load(prepared.options, prepared.step)
         if rounding is not None:
             self._rounding = rounding
@@ -602,7 +609,8 @@ class ModelEma(nn.Module):
         every rank must call this. With `rank`, only that rank keeps the result and the others get
         {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
         self._ready("full_state_dict")
-        return gather_full(self._binding.table.entries, rank, cpu_offload)
+        shard = self._binding.policy.shard is not None
+        return gather_full(self._binding.table.entries, rank, cpu_offload, shard)
 
     def _warn_precision(self) -> None:
         low = {

@@ -1,0 +1,379 @@
+"""ModelEma(shard=...): the EMA of a model replicated across a process group (DDP), sharded. Each
+rank keeps one chunk of every averaged tensor, a Shard(d) DTensor over a 1-D mesh of the group
+(torch.chunk of the first dimension longer than 1, as FSDP2 lays out parameters), so DCP saves and
+reshards it like any DTensor. The chunks are views into one flat buffer per dtype and device, laid
+out alike on every rank, so that one all-gather of a bucket of it gathers many tensors."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._dtensor import chunk_dim as shard_dim
+from ._dtensor import is_dtensor, local
+
+#: The bytes one bucket of a gather receives (all ranks' chunks together).
+BUCKET_BYTES = 64 << 20
+_ALIGN_BYTES = 64  # every chunk starts on a multiple: vector loads stay aligned
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def resolve(shard) -> ShardSpec | None:
+    """The ShardSpec for ModelEma's `shard` argument (False/None: not sharded)."""
+    if shard is False or shard is None:
+        return None
+    kinds = ("ProcessGroup", "DeviceMesh")
+    if shard is not True and type(shard).__name__ not in kinds:
+        raise TypeError(
+            "fused_ema: shard must be False, True (the default process group), a ProcessGroup or "
+            f"a 1-D DeviceMesh, got {type(shard).__name__}"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "fused_ema: shard=... splits the EMA across the ranks of a process group, and "
+            "torch.distributed is not initialised; call torch.distributed.init_process_group() "
+            "first, or build the EMA without shard="
+        )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if shard is True:
+        return ShardSpec(dist.group.WORLD)
+    if isinstance(shard, DeviceMesh):
+        if shard.ndim != 1:
+            raise ValueError(
+                f"fused_ema: shard= takes a 1-D DeviceMesh (the ranks holding replicas of the "
+                f"model), got one with {shard.ndim} dimensions; pass mesh['name'] of the "
+                "replicate dimension"
+            )
+        return ShardSpec(shard.get_group(), shard)
+    if isinstance(shard, dist.ProcessGroup):
+        return ShardSpec(shard)
+    raise TypeError(
+        "fused_ema: shard must be False, True (the default process group), a ProcessGroup or a "
+        f"1-D DeviceMesh, got {type(shard).__name__}"
+    )
+
+
+def chunk(size: int, world: int, rank: int) -> tuple[int, int]:
+    """(start, length) of `rank`'s part of `size` rows, as torch.chunk and DTensor cut them."""
+    rows = -(-size // world)
+    start = min(rank * rows, size)
+    return start, max(0, min(size, start + rows) - start)
+
+
+def chunk_capacity(shape, world: int) -> int:
+    """Elements in the longest chunk of a tensor of `shape` (the first rank's)."""
+    if not math.prod(shape):
+        return 0
+    d = shard_dim(shape)
+    return -(-shape[d] // world) * math.prod(shape[d + 1 :])
+
+
+def layout(shapes, world: int, itemsize: int) -> tuple[list, int]:
+    """Where each tensor's chunk lies in a flat buffer, the same on every rank whatever its
+    chunk's length: [(offset, capacity)] and the buffer's length, in elements. A capacity is the
+    longest chunk (the first rank's), so the ranks' chunks end to end are the full tensor."""
+    align = max(1, _ALIGN_BYTES // itemsize)
+    slots, total = [], 0
+    for shape in shapes:
+        capacity = chunk_capacity(shape, world)
+        slots.append((total, capacity))
+        total += -(-capacity // align) * align
+    return slots, total
+
+
+class ShardSpec:
+    """The process group a sharded EMA is split over, and its meshes (one per device type)."""
+
+    def __init__(self, group, mesh=None):
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("fused_ema: shard= names a process group this rank is not part of")
+        self.group, self.rank, self.world = group, rank, dist.get_world_size(group)
+        self.meshes = {}
+        if mesh is not None:
+            self._add(mesh.device_type, mesh)
+
+    def _add(self, device_type: str, mesh):
+        self.meshes[device_type] = mesh
+        return mesh
+
+    def mesh(self, device: torch.device):
+        mesh = self.meshes.get(device.type)
+        if mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = self._add(device.type, DeviceMesh.from_group(self.group, device.type))
+        return mesh
+
+    def __deepcopy__(self, memo):
+        return self  # the process group is shared, not copied
+
+    def __reduce__(self):
+        raise TypeError(
+            "a ModelEma built with shard=... holds a process group and cannot be pickled; save "
+            "ema.state_dict() with torch.distributed.checkpoint (or ema.full_state_dict())"
+        )
+
+    # ------------------------------------------------------------------ entries
+
+    def new_ema(self, t: torch.Tensor, device, dtype) -> torch.Tensor:
+        """This rank's chunk of `t` as the EMA's dtype, on `device`, as a DTensor."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        d = shard_dim(t.shape)
+        start, length = chunk(t.shape[d], self.world, self.rank)
+        part = t.narrow(d, start, length)
+        own = torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
+        return DTensor.from_local(
+            own,
+            self.mesh(own.device),
+            [Shard(d)],
+            run_check=False,
+            shape=t.shape,
+            stride=torch.empty(t.shape, device="meta").stride(),
+        )
+
+    def pack(self, entries: list) -> list:
+        """The entries with every chunk moved into one flat buffer per dtype and device (new
+        entries and tensors: the ones given are left as they were)."""
+        from torch.distributed.tensor import DTensor
+
+        from ._tracking import Entry
+
+        groups: dict = {}
+        for k, e in enumerate(entries):
+            if is_dtensor(e.ema):  # refuse_sharded: every DTensor here is a chunk of ours
+                chunk_ = local(e.ema)
+                groups.setdefault((chunk_.dtype, chunk_.device), []).append(k)
+        out = list(entries)
+        for (dtype, device), ks in groups.items():
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            slots, total = layout([entries[k].ema.shape for k in ks], self.world, itemsize)
+            flat = torch.zeros(total, dtype=dtype, device=device)
+            for k, (offset, _) in zip(ks, slots):
+                e = entries[k]
+                old = local(e.ema)
+                view = _alias(flat[offset : offset + old.numel()]).view(old.shape)
+                view.copy_(old)
+                ema = DTensor.from_local(
+                    view,
+                    e.ema.device_mesh,
+                    e.ema.placements,
+                    run_check=False,
+                    shape=e.ema.shape,
+                    stride=e.ema.stride(),
+                )
+                if isinstance(e.ema, nn.Parameter):
+                    ema = nn.Parameter(ema, requires_grad=False)
+                out[k] = Entry(list(e.names), e.kind, ema, e.average, e.bound)
+        return out
+
+    # ------------------------------------------------------------------ checks
+
+    def refuse_sharded(self, tracked) -> None:
+        names = [t.name for t in tracked if is_dtensor(t.tensor)]
+        if names:
+            raise ValueError(
+                f"fused_ema: shard=... is for a model replicated across ranks (DDP), but "
+                f"{len(names)} of its tensors are DTensors (e.g. {names[0]}: FSDP2 or tensor "
+                "parallel); the EMA of a sharded model is sharded with it: build it without shard="
+            )
+
+    def check_replicated(self, tracked) -> None:
+        """One all-gather of each rank's names, shapes, dtypes and value checksums: the same
+        clear error on every rank when the model is not replicated identically."""
+        meta = [t.name for t in tracked if t.tensor.is_meta]
+        self.refuse_sharded(tracked)
+        signature = {
+            "tensors": [
+                (tuple(t.names), t.kind, tuple(t.tensor.shape), str(t.tensor.dtype))
+                for t in tracked
+            ],
+            "checksums": _checksums([t.tensor for t in tracked]),
+            "meta": meta,
+        }
+        every = [None] * self.world
+        dist.all_gather_object(every, signature, group=self.group)
+        problems = []
+        for rank, other in enumerate(every):
+            if rank == 0:
+                continue
+            problems += [f"rank {rank}: {p}" for p in _differences(every[0], other)]
+        if problems:
+            shown = "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
+            raise ValueError(
+                "fused_ema: shard=... averages each rank's chunk from that rank's own copy of the "
+                "model, so the model must be replicated identically on every rank (build the "
+                f"EMA after wrapping it in DDP, which broadcasts rank 0's weights). Compared with "
+                f"rank 0: {shown}"
+            )
+        if meta:
+            raise ValueError(
+                f"fused_ema: shard=... needs a materialised model; {len(meta)} tensors are on "
+                f"the meta device (e.g. {meta[0]})"
+            )
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as a tensor of its own (storage offset 0): torch.save cannot save a
+    DTensor whose local tensor starts inside its storage."""
+    return torch.from_dlpack(view) if view.numel() else view.clone()
+
+
+def _checksums(tensors) -> list:
+    """Per tensor, the sum of its elements' bit patterns (exact, identical for identical
+    values); one host read per device."""
+    sums, where = {}, []
+    for t in tensors:
+        t = t.detach()
+        kind = _INT_OF_SIZE.get(t.element_size())
+        if t.is_meta or kind is None or t.dim() == 0 and t.is_complex():
+            where.append(None)
+            continue
+        bits = t.reshape(1) if t.dim() == 0 else t
+        bits = bits.view(kind) if bits.dtype != kind else bits
+        group = sums.setdefault(t.device, [])
+        where.append((t.device, len(group)))
+        group.append(bits.sum(dtype=torch.int64))
+    values = {d: torch.stack(v).tolist() for d, v in sums.items()}
+    return [None if w is None else values[w[0]][w[1]] for w in where]
+
+
+def _differences(mine: dict, other: dict) -> list:
+    a, b = mine["tensors"], other["tensors"]
+    names_a = [n for t in a for n in t[0]]
+    names_b = [n for t in b for n in t[0]]
+    if names_a != names_b:
+        extra = [n for n in names_b if n not in set(names_a)]
+        missing = [n for n in names_a if n not in set(names_b)]
+        return [f"other tensors (has {extra[:3]}, lacks {missing[:3]})"]
+    out = []
+    for (ta, ca), (tb, cb) in zip(zip(a, mine["checksums"]), zip(b, other["checksums"])):
+        if ta[2] != tb[2]:
+            out.append(f"{ta[0][0]} has shape {list(tb[2])}, not {list(ta[2])}")
+        elif ta[3] != tb[3]:
+            out.append(f"{ta[0][0]} is {tb[3]}, not {ta[3]}")
+        elif ca != cb:
+            out.append(f"{ta[0][0]} holds other values")
+    return out
+
+
+# ---------------------------------------------------------------------- gathering
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def _comm_device(device: torch.device, group) -> torch.device:
+    """Where a bucket is gathered: with the chunks, unless the backend cannot reach them (a CPU
+    EMA over NCCL gathers on the current GPU)."""
+    if device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def gather_chunks(items: list, group, world: int) -> None:
+    """All-gathers tensors split as ModelEma(shard=...) splits them, writing each whole tensor
+    into its target. `items`: [(this rank's chunk, full shape, target or None)], one dtype and
+    device, in the same order on every rank (a rank with None targets takes part without
+    keeping anything). The chunks are laid out end to end, each with its longest chunk's
+    capacity, and gathered in buckets of at most BUCKET_BYTES."""
+    if not items:
+        return
+    first = items[0][0]
+    itemsize = first.element_size()
+    slots, total = layout([tuple(shape) for _, shape, _ in items], world, itemsize)
+    step = max(1, BUCKET_BYTES // (world * itemsize))
+    device = _comm_device(first.device, group)
+    staged = {}  # non-contiguous targets: filled whole, then copied in
+    send_buffer = torch.empty(min(step, total), dtype=first.dtype, device=device)
+    out_buffer = torch.empty(world * min(step, total), dtype=first.dtype, device=device)
+    for a in range(0, total, step):
+        b = min(total, a + step)
+        send = send_buffer[: b - a]
+        for (offset, _), (part, _, _) in zip(slots, items):
+            n = part.numel()
+            lo, hi = max(a, offset) - offset, min(b, offset + n) - offset
+            if hi > lo:
+                send[offset + lo - a : offset + hi - a].copy_(part.reshape(-1)[lo:hi])
+        out = out_buffer[: world * (b - a)]
+        _all_gather(out, send, group)
+        out = out.view(world, b - a)
+        for (offset, capacity), (_, _, target) in zip(slots, items):
+            if target is None or capacity == 0 or offset >= b or offset + capacity <= a:
+                continue
+            _copy_out(out, a, b, offset, capacity, target.numel(), _flat_target(target, staged))
+    for target, whole in staged.values():
+        target.copy_(whole.view(target.shape))
+
+
+def _flat_target(target: torch.Tensor, staged: dict) -> torch.Tensor:
+    if target.is_contiguous():
+        return target.view(-1)
+    if id(target) not in staged:
+        whole = torch.empty(target.numel(), dtype=target.dtype, device=target.device)
+        staged[id(target)] = (target, whole)
+    return staged[id(target)][1]
+
+
+def _copy_out(out, a: int, b: int, offset: int, capacity: int, numel: int, dst) -> None:
+    """The part of one tensor that bucket [a, b) holds: rank r's chunk is elements
+    [r * capacity, (r + 1) * capacity) of the full tensor (the last ones shorter or empty)."""
+    q0, q1 = max(a, offset) - offset, min(b, offset + capacity) - offset
+    col = offset + q0 - a
+    if q0 == 0 and q1 == capacity:  # whole: the full ranks in one copy, then the last one
+        full = numel // capacity
+        if full:
+            dst[: full * capacity].view(full, capacity).copy_(out[:full, col : col + capacity])
+        rest = numel - full * capacity
+        if rest:
+            dst[full * capacity :].copy_(out[full, col : col + rest])
+        return
+    for r in range(out.shape[0]):
+        lo, hi = r * capacity + q0, min(r * capacity + q1, numel)
+        if hi > lo:
+            dst[lo:hi].copy_(out[r, col : col + hi - lo])
+
+
+def _by_kind(items: list) -> list:
+    """`items` split by (dtype, device) of their chunks, in first-seen order."""
+    kinds: dict = {}
+    for item in items:
+        kinds.setdefault((item[0].dtype, item[0].device), []).append(item)
+    return list(kinds.values())
+
+
+def gather_into(pairs) -> None:
+    """Writes the full value of every sharded EMA tensor into its target [(ema, target or
+    None)]: a collective, in the same order on every rank."""
+    if not pairs:
+        return
+    mesh = pairs[0][0].device_mesh
+    items = [(local(ema), tuple(ema.shape), target) for ema, target in pairs]
+    for kind in _by_kind(items):
+        gather_chunks(kind, mesh.get_group(), mesh.size())
+
+
+class SavedSlices:
+    """Each rank's own chunk of model tensors (1/world of them), so that gathering them puts the
+    whole tensors back."""
+
+    def __init__(self, targets, group, world: int, rank: int):
+        self.group, self.world = group, world
+        self.items = []
+        for target in targets:
+            d = shard_dim(target.shape)
+            start, length = chunk(target.shape[d], world, rank) if target.dim() else (0, 1)
+            part = target.narrow(d, start, length) if target.dim() else target
+            own = part.clone(memory_format=torch.contiguous_format)
+            self.items.append((own, target.shape, target))
+
+    def restore(self) -> None:
+        for kind in _by_kind(self.items):
+            gather_chunks(kind, self.group, self.world)
