@@ -28,6 +28,8 @@ _STAGING_ALIGN_BYTES = 64
 walk_signature = _C.walk_signature
 walk_matches = _C.walk_matches
 take = _C.take
+walk_cache = _C.walk_cache
+walk_unchanged = _C.walk_unchanged
 
 
 def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
@@ -154,8 +156,21 @@ class UpdatePlan:
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
         self._marks: list | None = None
+        self._walk_cache = None  # what the walk read, once a model matched this plan
 
     # ------------------------------------------------------------------ checks
+
+    def remember(self, model, walk: list, with_buffers: bool) -> None:
+        """Records, after `walk` of `model` matched this plan, what the walk read (every
+        module's dicts and their versions), so that later updates can skip walking it."""
+        self._walk_cache = walk_cache(model, with_buffers, walk)
+
+    def unchanged_walk(self, model) -> list | None:
+        """The walk of `model` if nothing the remembered walk read has changed since (no dict of
+        a module written, every tensor of the same type, dtype, layout, device and shape): then
+        the plan matches it. None when that cannot be told without walking."""
+        cache = self._walk_cache
+        return None if cache is None else walk_unchanged(cache, model)
 
     def matches(self, walk: list, names: int) -> bool:
         """Whether the model holds exactly the tensor objects this plan was built for, under the

@@ -21,7 +21,6 @@ from . import _compiled
 from ._async import AsyncRunner
 from ._binding import Binding
 from ._dtensor import gather_full, reshard_fsdp
-from ._loader import _C
 from ._plan import UpdatePlan
 from ._schedule import (
     Schedule,
@@ -207,7 +206,7 @@ class ModelEma:
 
     def _update(self, model: nn.Module, step, non_blocking: bool, values=None) -> None:
         step = self._schedule.check_step(step)
-        walk, names = _C.tensor_walk(model, self._binding.with_buffers, True)
+        walk, names = self._binding.walk(model, non_blocking)
         plan, undo = None, None
         schedule = self._schedule
         with torch.no_grad():
