@@ -54,6 +54,7 @@ class DeviceGroup:
     seed: int | None = None
     keys: list = field(default_factory=list)
     offsets: list = field(default_factory=list)
+    whole: bool = False  # the sources are the walk itself: every item, in order, direct
 
     def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
         if weight.device.type != "cpu" and weight.device != self.device:
@@ -74,6 +75,8 @@ class DeviceGroup:
         )
 
     def sources(self, walk: list) -> list:
+        if self.whole:
+            return walk
         out = take(walk, self.direct) if self.direct else []
         if self.shards:
             out += [walk[i]._local_tensor for i in self.shards]
@@ -134,6 +137,7 @@ class UpdatePlan:
             group = self.groups[device]
             group.ema += [e for e, _ in items]
             group.direct = tuple(i for _, i in items)
+            group.whole = group.direct == tuple(range(len(walk)))
         for device, items in shards.items():
             group = self.groups[device]
             group.ema += [e for e, _ in items]
