@@ -61,8 +61,8 @@ struct CachedModule {
   uint64_t children_version = 0;
   PyObject* buffers = nullptr;  // with buffers only
   uint64_t buffers_version = 0;
-  PyObject* skip = nullptr;       // _non_persistent_buffers_set, when there are buffers
-  size_t first_flag = 0;          // its buffers' "non-persistent" flags in WalkCache::skipped
+  PyObject* skip = nullptr;  // _non_persistent_buffers_set, when there are buffers
+  size_t first_flag = 0;     // its buffers' "non-persistent" flags in WalkCache::skipped
   bool any_skipped = false;
 };
 
@@ -377,7 +377,8 @@ PyObject* python_walk_unchanged(PyObject* /*module*/, PyObject* const* args, Py_
     return nullptr;
   }
 #else
-  (void)args;
+      (void)
+      args;
   (void)nargs;
   PyErr_SetString(PyExc_RuntimeError, "walk_unchanged: no walk cache on this Python");
   return nullptr;
