@@ -57,12 +57,12 @@ class DeviceGroup:
     whole: bool = False  # the sources are the walk itself: every item, in order, direct
 
     def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
-        if weight.device.type != "cpu" and weight.device != self.device:
+        if not weight.is_cpu and weight.device != self.device:
             weight = weight.to(self.device)  # a device weight for another device
         if self.seed is None:
             lerp_(self.ema, sources, weight)
             return
-        if step.device.type != "cpu" and step.device != self.device:
+        if not step.is_cpu and step.device != self.device:
             step = step.to(self.device)
         lerp_stochastic_(
             self.ema,
@@ -160,6 +160,12 @@ class UpdatePlan:
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
         self._marks: list | None = None
+        # The common plan, one device group fed straight from the model: run() skips the
+        # bookkeeping of several writes (one write cannot be left half-done by an interrupt).
+        groups = list(self.groups.values())
+        self._single = groups[0] if len(groups) == 1 and not self.copies else None
+        if self._single is not None and (self._single.staging or self._single.wait_for):
+            self._single = None
         self._walk_cache = None  # what the walk read, once a model matched this plan
 
     # ------------------------------------------------------------------ checks
@@ -207,6 +213,10 @@ class UpdatePlan:
         values = walk if sources is None else sources
         weight, step = schedule.weight, schedule.step
         self._marks = [p._version for p in self._probes]
+        single = self._single
+        if single is not None:
+            single.lerp(single.sources(values), weight, step)
+            return
         copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
         if self.has_staging and weight.device.type == "cpu" and float(weight) == 0.0:
             # Cross-device copies are not free: skip them on the steps update_every leaves out.
