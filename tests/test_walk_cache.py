@@ -315,3 +315,59 @@ def test_non_blocking_plan_keeps_its_own_walk():
             reference.update(model, non_blocking=non_blocking)
             reference.synchronize()
     assert_same_state(state(ema), state(reference))
+
+
+# ---------------------------------------------------------------------- unwrapping, per update
+
+
+def reference_unwrap(model: nn.Module) -> nn.Module:
+    """unwrap_model as it was: getattr, whatever raising AttributeError costs."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class WithProperty(nn.Module):
+    @property
+    def _orig_mod(self):
+        return self.inner
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+
+class WithGetattr(nn.Module):
+    def __getattr__(self, name):
+        if name == "_orig_mod":
+            return nn.Linear(2, 2)
+        return super().__getattr__(name)
+
+
+def wrappers():
+    plain = nn.Linear(2, 2)
+    as_child = nn.Module()
+    as_child._orig_mod = nn.Linear(2, 2)  # nn.Module.__setattr__: a submodule
+    as_attribute = nn.Module()
+    object.__setattr__(as_attribute, "_orig_mod", nn.Linear(2, 2))
+    as_tensor = nn.Module()
+    as_tensor.register_buffer("_orig_mod", torch.ones(1))
+    nested = nn.DataParallel(torch.compile(nn.DataParallel(nn.Linear(2, 2))))
+    return [plain, as_child, as_attribute, as_tensor, WithProperty(), WithGetattr(), nested]
+
+
+@pytest.mark.parametrize("index", range(len(wrappers())))
+def test_unwrap_model_finds_what_getattr_finds(index):
+    from fused_ema._tracking import unwrap_model
+
+    model = wrappers()[index]
+    got = unwrap_model(model)
+    expected = reference_unwrap(model)
+    if isinstance(model, WithGetattr):  # it makes a new module each time
+        assert type(got) is type(expected) is nn.Linear
+    else:
+        assert got is expected
