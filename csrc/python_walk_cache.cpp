@@ -355,11 +355,11 @@ PyObject* python_walk_cache(PyObject* /*module*/, PyObject* const* args, Py_ssiz
 
 PyObject* python_walk_unchanged(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-#if FUSED_EMA_WALK_CACHE
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "walk_unchanged(cache, model)");
     return nullptr;
   }
+#if FUSED_EMA_WALK_CACHE
   auto* cache = static_cast<WalkCache*>(PyCapsule_GetPointer(args[0], kCapsule));
   if (cache == nullptr) {
     return nullptr;
@@ -376,14 +376,11 @@ PyObject* python_walk_unchanged(PyObject* /*module*/, PyObject* const* args, Py_
   if (PyErr_Occurred()) {
     return nullptr;
   }
+  Py_RETURN_NONE;
 #else
-      (void)
-      args;
-  (void)nargs;
   PyErr_SetString(PyExc_RuntimeError, "walk_unchanged: no walk cache on this Python");
   return nullptr;
 #endif
-  Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
