@@ -37,6 +37,7 @@ CPU_SOURCES = [
     "csrc/python_fast_path.cpp",
     "csrc/python_walk.cpp",
     "csrc/python_walk_check.cpp",
+    "csrc/python_walk_cache.cpp",
     "csrc/schedule.cpp",
     "csrc/stochastic_round_testing.cpp",
     "csrc/cpu/cpu_isa.cpp",

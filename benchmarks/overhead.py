@@ -1,11 +1,12 @@
 """Host overhead per model tensor of an EMA update on tiny tensors (nn.Linear(8, 8) layers in
 nested containers, float32, CPU), where the cost is all bookkeeping: the fused kernel, foreach,
-ModelEma.update, and the check that the model still holds the planned tensors (_C.tensor_walk +
-walk_matches + take) next to the Python walk it replaces. Medians of interleaved runs of this
-thread's CPU time, on one torch thread: on a shared machine, wall time and OpenMP barriers would
-measure the other tenants instead of the bookkeeping.
+ModelEma.update, and the check that the model still holds the planned tensors: the cached one an
+unchanged model takes (_C.walk_unchanged) and the full one a changed model falls back to
+(_C.tensor_walk + walk_matches + take). Medians of interleaved runs of this thread's CPU time, on
+one torch thread: on a shared machine, wall time and OpenMP barriers would measure the other
+tenants instead of the bookkeeping.
 
-    python -m benchmarks.overhead [--sizes 100,1000,10000] [--out benchmarks/out]
+    python -m benchmarks.overhead [--sizes 100,1000,10000,100000] [--out benchmarks/out]
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ CONTENDERS = (
     "fused_ema.lerp_",
     "torch._foreach_lerp_",
     "ModelEma.update",
-    "C walk check",
+    "cached walk check",
+    "full C walk check",
     "Python tensor_walk",
 )
+# The acceptance ratio: an update over the fused call it makes.
+RATIO = ("ModelEma.update", "fused_ema.lerp_")
 
 
 def build_model(tensors: int) -> nn.Module:
@@ -54,17 +58,22 @@ def steps(model: nn.Module) -> dict:
     refs = tuple(None if t is None else weakref.ref(t) for t in walk)
     signature = _C.walk_signature(walk)
     indices = tuple(i for i, t in enumerate(walk) if t is not None)
+    cache = _C.walk_cache(model, True, walk)
 
     def walk_check():
         current = _C.tensor_walk(model, True)
         assert _C.walk_matches(current, refs, signature)
         _C.take(current, indices)
 
+    def cached_check():
+        assert _C.walk_unchanged(cache, model) is not None
+
     return {
         "fused_ema.lerp_": lambda: fused_ema.lerp_(ema, src, 1 - DECAY),
         "torch._foreach_lerp_": lambda: torch._foreach_lerp_(ema, src, 1 - DECAY),
         "ModelEma.update": lambda: ema_model.update(model),
-        "C walk check": walk_check,
+        "cached walk check": cached_check,
+        "full C walk check": walk_check,
         "Python tensor_walk": lambda: tensor_walk(model, True),
     }
 
@@ -105,15 +114,17 @@ def measure(tensors: int, rounds: int, reps: int, on_round) -> dict:
         stats = summary([t / inner for t in times])
         stats["ns_per_tensor"] = stats["median_ms"] * 1e6 / count
         row[name] = stats
+    row["update_over_lerp"] = row[RATIO[0]]["median_ms"] / row[RATIO[1]]["median_ms"]
     return row
 
 
 def table(record: dict) -> str:
     header = f"{'tensors':>8} " + " ".join(f"{name:>20}" for name in CONTENDERS)
+    header += f" {'update / lerp_':>15}"
     lines = ["median ns (thread CPU time) per model tensor", header, "-" * len(header)]
     for row in record["rows"]:
         cells = " ".join(f"{row[name]['ns_per_tensor']:20.1f}" for name in CONTENDERS)
-        lines.append(f"{row['tensors']:8d} {cells}")
+        lines.append(f"{row['tensors']:8d} {cells} {row['update_over_lerp']:14.2f}x")
     return "\n".join(lines)
 
 
@@ -126,12 +137,12 @@ def markdown(record: dict) -> str:
         f"fused_ema {m['fused_ema']['version']}. Median ns per model tensor (nn.Linear(8, 8) "
         f"layers, float32, CPU), thread CPU time, {record['rounds']} interleaved rounds.",
         "",
-        "| tensors | " + " | ".join(CONTENDERS) + " |",
-        "|---:|" + "---:|" * len(CONTENDERS),
+        "| tensors | " + " | ".join(CONTENDERS) + " | update / lerp_ |",
+        "|---:|" + "---:|" * (len(CONTENDERS) + 1),
     ]
     for row in record["rows"]:
         cells = " | ".join(f"{row[name]['ns_per_tensor']:.1f}" for name in CONTENDERS)
-        lines.append(f"| {row['tensors']:,} | {cells} |")
+        lines.append(f"| {row['tensors']:,} | {cells} | {row['update_over_lerp']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +150,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--sizes", default="100,1000,10000", help="model tensors, comma-separated")
+    parser.add_argument(
+        "--sizes", default="100,1000,10000,100000", help="model tensors, comma-separated"
+    )
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own)")
     parser.add_argument("--reps", type=int, default=3)

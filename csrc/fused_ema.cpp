@@ -32,6 +32,9 @@ PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs)
 PyObject* python_walk_signature(PyObject* module, PyObject* walk);
 PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+// python_walk_cache.cpp
+PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_philox(PyObject* module, PyObject* args);  // stochastic_round_testing.cpp
 PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 }  // namespace fused_ema
@@ -126,6 +129,13 @@ PyMethodDef kMethods[] = {
      "walk[i] None or a weakref.ref to walk[i] itself, and walk_signature(walk) == signature."},
     {"take", reinterpret_cast<PyCFunction>(fused_ema::python_take), METH_FASTCALL,
      "take(walk: list, indices: tuple[int, ...]) -> list: [walk[i] for i in indices]."},
+    {"walk_cache", reinterpret_cast<PyCFunction>(fused_ema::python_walk_cache), METH_FASTCALL,
+     "walk_cache(model, with_buffers: bool, walk: list) -> capsule | None: what tensor_walk "
+     "read to find `walk`, for walk_unchanged (None where it cannot be cached)."},
+    {"walk_unchanged", reinterpret_cast<PyCFunction>(fused_ema::python_walk_unchanged),
+     METH_FASTCALL,
+     "walk_unchanged(cache, model) -> list | None: the cached walk, as a new list, if nothing it "
+     "read changed and every item keeps its signature; else None."},
     {"_cuda_small_params", cuda_small_params, METH_VARARGS,
      "Tests only: force 4 KB CUDA launch parameters (flag), returning the previous setting."},
     {"_philox", fused_ema::python_philox, METH_VARARGS,

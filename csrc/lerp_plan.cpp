@@ -66,16 +66,20 @@ struct Interval {
   int64_t index;
 };
 
-// Bytes from the lowest to one past the highest element; PyTorch strides are never negative.
-Interval memory_interval(const at::Tensor& t, const void* data, bool contiguous, int64_t index) {
+// Elements from the lowest to one past the highest; PyTorch strides are never negative.
+[[gnu::noinline]] int64_t strided_extent(const at::Tensor& t) {
   int64_t extent = 1;
-  if (contiguous) {
-    extent = t.numel();
-  } else {
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      extent += (t.size(d) - 1) * t.stride(d);
-    }
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    extent += (t.size(d) - 1) * t.stride(d);
   }
+  return extent;
+}
+
+// Inlined: an Interval returned through memory from a call was read back before its stores
+// had landed (a store-forwarding stall per tensor).
+[[gnu::always_inline]] inline Interval memory_interval(const at::Tensor& t, const void* data,
+                                                       bool contiguous, int64_t index) {
+  const int64_t extent = contiguous ? t.numel() : strided_extent(t);
   const auto lo = reinterpret_cast<uintptr_t>(data);
   return {lo, lo + static_cast<uintptr_t>(extent * t.element_size()), index};
 }
@@ -115,7 +119,8 @@ void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i) {
                     "; supported (ema, src) pairs: ", supported_pairs_text());
   TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), kOp, "src[", i, "] has shape ", s.sizes(),
                     " but ema[", i, "] has shape ", e.sizes());
-  TORCH_CHECK(at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[", i,
+  TORCH_CHECK(e.is_contiguous() || at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[",
+              i,
               "] has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
               "be updated in place");
   TORCH_CHECK(!(e.requires_grad() && c10::GradMode::is_enabled()), kOp, "ema[", i,
@@ -215,6 +220,7 @@ struct DeviceWork {
   std::vector<Interval> ema_ranges;
   std::vector<Interval> src_ranges;
   std::vector<int64_t> needs_stand_in;
+  size_t pair_count = 0;  // plan.pairs is sized for every pair until planning ends
 };
 
 std::vector<FlatPair>& spare_pairs() {
@@ -271,7 +277,7 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
           work[0].ema_ranges.swap(first_ema_ranges.vec);
           work[0].src_ranges.swap(first_src_ranges.vec);
         }
-        work.back().plan.pairs.reserve(count);
+        work.back().plan.pairs.resize(count);
         work.back().ema_ranges.reserve(count);
         work.back().src_ranges.reserve(count);
       }
@@ -288,13 +294,19 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
     w.ema_ranges.push_back(memory_interval(e, e_data, e_contiguous, index));
     w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
     if (dense_pair(e, s, e_contiguous, s_contiguous) && (e_contiguous || !row_major)) {
-      w.plan.pairs.push_back({e_data, s_data, n, *pair_kind(e.scalar_type(), s.scalar_type()),
-                              static_cast<uint32_t>(i)});
+      // Written in place (sized for every pair up front): push_back was an out-of-line call.
+      FlatPair& pair = w.plan.pairs[w.pair_count++];
+      pair.ema = e_data;
+      pair.src = s_data;
+      pair.numel = n;
+      pair.kind = *pair_kind(e.scalar_type(), s.scalar_type());
+      pair.index = static_cast<uint32_t>(i);
     } else {
       w.needs_stand_in.push_back(index);
     }
   }
   for (DeviceWork& w : work) {
+    w.plan.pairs.resize(w.pair_count);
     check_overlap_once(w.ema_ranges, w.src_ranges);
   }
   if (!work.empty()) {

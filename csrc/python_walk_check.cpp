@@ -9,43 +9,10 @@
 #include <cstring>
 #include <vector>
 
+#include "walk_item.h"
+
 namespace fused_ema {
 namespace {
-
-// One walk item's signature: a fixed header, then `ndim` int64 sizes.
-struct ItemHeader {
-  uintptr_t type;  // 0 for None
-  int8_t dtype;
-  int8_t layout;
-  int8_t device_type;
-  int8_t device_index;
-  int32_t ndim;
-};
-static_assert(sizeof(ItemHeader) == 16, "signature layout");
-
-// Header and sizes of one item; false with TypeError set for anything but a tensor or None.
-bool describe(PyObject* item, ItemHeader& header, c10::IntArrayRef& sizes) {
-  std::memset(&header, 0, sizeof(header));
-  if (item == Py_None) {
-    sizes = {};
-    return true;
-  }
-  if (!THPVariable_Check(item)) {
-    PyErr_Format(PyExc_TypeError, "walk items are tensors or None, not %.200s",
-                 Py_TYPE(item)->tp_name);
-    return false;
-  }
-  const at::Tensor& tensor = THPVariable_Unpack(item);
-  const c10::Device device = tensor.device();
-  sizes = tensor.sizes();
-  header.type = reinterpret_cast<uintptr_t>(Py_TYPE(item));
-  header.dtype = static_cast<int8_t>(tensor.scalar_type());
-  header.layout = static_cast<int8_t>(tensor.layout());
-  header.device_type = static_cast<int8_t>(device.type());
-  header.device_index = static_cast<int8_t>(device.index());
-  header.ndim = static_cast<int32_t>(sizes.size());
-  return true;
-}
 
 bool check_type(PyObject* obj, bool ok, const char* what) {
   if (!ok) {
@@ -82,7 +49,7 @@ PyObject* python_walk_signature(PyObject* /*module*/, PyObject* walk) {
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(walk); ++i) {
     ItemHeader header;
     c10::IntArrayRef sizes;
-    if (!describe(PyList_GET_ITEM(walk, i), header, sizes)) {
+    if (!describe_item(PyList_GET_ITEM(walk, i), header, sizes)) {
       return nullptr;
     }
     const char* h = reinterpret_cast<const char*>(&header);
@@ -130,18 +97,13 @@ PyObject* python_walk_matches(PyObject* /*module*/, PyObject* const* args, Py_ss
         Py_RETURN_FALSE;
       }
     }
-    ItemHeader header;
-    c10::IntArrayRef sizes;
-    if (!describe(item, header, sizes)) {
-      return nullptr;
-    }
-    const size_t size_bytes = sizes.size() * sizeof(int64_t);
-    if (static_cast<size_t>(end - cursor) < sizeof(header) + size_bytes ||
-        std::memcmp(cursor, &header, sizeof(header)) != 0 ||
-        (size_bytes > 0 && std::memcmp(cursor + sizeof(header), sizes.data(), size_bytes) != 0)) {
+    bool error = false;
+    if (!item_matches(item, cursor, end, error)) {
+      if (error) {
+        return nullptr;
+      }
       Py_RETURN_FALSE;
     }
-    cursor += sizeof(header) + size_bytes;
   }
   if (cursor != end) {
     Py_RETURN_FALSE;

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ._dtensor import is_dtensor, local, refuse_unsharded
+from ._loader import _C
 from ._module_view import EmaForwardCheck, SwappedModelView, build_module
 from ._plan import UpdatePlan
 from ._tracking import EntryPolicy, EntryTable, named_tensors, unbound
@@ -65,11 +66,24 @@ class Binding:
 
     # ------------------------------------------------------------------ following the model
 
-    def plan_for(self, ema, model, walk, names, snapshot, schedule):
-        """The plan for this walk of `model`, and how to undo what was needed to make it (None
-        when the current plan fits)."""
+    def walk(self, model, snapshot) -> tuple[list, int | None]:
+        """The model's walk and the hash of its names; the hash is None when the current plan
+        (for `snapshot`) vouches, through what its last walk read, that the model is unchanged."""
         plan = self.plan
+        if plan is not None and plan.snapshot == snapshot:
+            walk = plan.unchanged_walk(model)
+            if walk is not None:
+                return walk, None
+        return _C.tensor_walk(model, self.with_buffers, True)
+
+    def plan_for(self, ema, model, walk, names, snapshot, schedule):
+        """The plan for this walk of `model` (from walk()), and how to undo what was needed to
+        make it (None when the current plan fits)."""
+        plan = self.plan
+        if names is None:
+            return plan, None
         if plan is not None and plan.snapshot == snapshot and plan.matches(walk, names):
+            plan.remember(model, walk, self.with_buffers)
             return plan, None
         tracked = self.tracked(model)
         refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
@@ -87,7 +101,9 @@ class Binding:
                 )
             with torch.no_grad():
                 table = self._packed(table.followed(tracked, self.policy))
-        return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
+        plan, undo = self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
+        plan.remember(model, walk, self.with_buffers)
+        return plan, undo
 
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)

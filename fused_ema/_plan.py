@@ -28,6 +28,8 @@ _STAGING_ALIGN_BYTES = 64
 walk_signature = _C.walk_signature
 walk_matches = _C.walk_matches
 take = _C.take
+walk_cache = _C.walk_cache
+walk_unchanged = _C.walk_unchanged
 
 
 def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
@@ -53,14 +55,15 @@ class DeviceGroup:
     seed: int | None = None
     keys: list = field(default_factory=list)
     offsets: list = field(default_factory=list)
+    whole: bool = False  # the sources are the walk itself: every item, in order, direct
 
     def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
-        if weight.device.type != "cpu" and weight.device != self.device:
+        if not weight.is_cpu and weight.device != self.device:
             weight = weight.to(self.device)  # a device weight for another device
         if self.seed is None:
             lerp_(self.ema, sources, weight)
             return
-        if step.device.type != "cpu" and step.device != self.device:
+        if not step.is_cpu and step.device != self.device:
             step = step.to(self.device)
         lerp_stochastic_(
             self.ema,
@@ -73,6 +76,8 @@ class DeviceGroup:
         )
 
     def sources(self, walk: list) -> list:
+        if self.whole:
+            return walk
         out = take(walk, self.direct) if self.direct else []
         if self.shards:
             out += [walk[i]._local_tensor for i in self.shards]
@@ -140,6 +145,7 @@ class UpdatePlan:
             group = self.groups[device]
             group.ema += [e for e, _ in items]
             group.direct = tuple(i for _, i in items)
+            group.whole = group.direct == tuple(range(len(walk)))
         for device, items in shards.items():
             group = self.groups[device]
             group.ema += [e for e, _ in items]
@@ -166,8 +172,27 @@ class UpdatePlan:
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
         self._marks: list | None = None
+        # The common plan, one device group fed straight from the model: run() skips the
+        # bookkeeping of several writes (one write cannot be left half-done by an interrupt).
+        groups = list(self.groups.values())
+        self._single = groups[0] if len(groups) == 1 and not self.copies else None
+        if self._single is not None and (self._single.staging or self._single.wait_for):
+            self._single = None
+        self._walk_cache = None  # what the walk read, once a model matched this plan
 
     # ------------------------------------------------------------------ checks
+
+    def remember(self, model, walk: list, with_buffers: bool) -> None:
+        """Records, after `walk` of `model` matched this plan, what the walk read (every
+        module's dicts and their versions), so that later updates can skip walking it."""
+        self._walk_cache = walk_cache(model, with_buffers, walk)
+
+    def unchanged_walk(self, model) -> list | None:
+        """The walk of `model` if nothing the remembered walk read has changed since (no dict of
+        a module written, every tensor of the same type, dtype, layout, device and shape): then
+        the plan matches it. None when that cannot be told without walking."""
+        cache = self._walk_cache
+        return None if cache is None else walk_unchanged(cache, model)
 
     def matches(self, walk: list, names: int) -> bool:
         """Whether the model holds exactly the tensor objects this plan was built for, under the
@@ -200,6 +225,10 @@ class UpdatePlan:
         values = walk if sources is None else sources
         weight, step = schedule.weight, schedule.step
         self._marks = [p._version for p in self._probes]
+        single = self._single
+        if single is not None:
+            single.lerp(single.sources(values), weight, step)
+            return
         copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
         if self.has_staging and weight.device.type == "cpu" and float(weight) == 0.0:
             # Cross-device copies are not free: skip them on the steps update_every leaves out.

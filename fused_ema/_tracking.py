@@ -32,10 +32,28 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
+            continue
+        inner = _orig_mod(model)
+        if not isinstance(inner, nn.Module):
             return model
+        model = inner
+
+
+def _orig_mod(model: nn.Module):
+    """model._orig_mod (torch.compile's wrapper keeps the model there) as getattr finds it, but
+    for a plain module without raising and catching the AttributeError of nn.Module.__getattr__:
+    that cost a few microseconds per update."""
+    kind = type(model)
+    if kind.__getattr__ is not nn.Module.__getattr__ or hasattr(kind, "_orig_mod"):
+        return getattr(model, "_orig_mod", None)
+    attributes = model.__dict__
+    if "_orig_mod" in attributes:
+        return attributes["_orig_mod"]
+    for where in ("_parameters", "_buffers", "_modules"):  # nn.Module.__getattr__'s order
+        found = attributes.get(where)
+        if found is not None and "_orig_mod" in found:
+            return found["_orig_mod"]
+    return None
 
 
 def clean_name(name: str) -> str:

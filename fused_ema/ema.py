@@ -25,7 +25,6 @@ from ._async import AsyncRunner
 from ._attach import attach
 from ._binding import Binding
 from ._dtensor import gather_full, reshard_fsdp
-from ._loader import _C
 from ._placement import move, parse_to
 from ._plan import UpdatePlan
 from ._schedule import (
@@ -283,7 +282,7 @@ class ModelEma(nn.Module):
 
     def _update(self, model: nn.Module, step, non_blocking: bool, values=None) -> None:
         step = self._schedule.check_step(step)
-        walk, names = _C.tensor_walk(model, self._binding.with_buffers, True)
+        walk, names = self._binding.walk(model, non_blocking)
         plan, undo = None, None
         schedule = self._schedule
         with torch.no_grad():
