@@ -364,6 +364,9 @@ def main() -> None:
     except Exception:
         result = {"crashed": traceback.format_exc()}
     (out / f"{scenario}_rank{rank}.json").write_text(json.dumps(result))
+    # Every rank leaves together: one that tears its gloo pairs down while a peer still sends
+    # makes that peer abort.
+    dist.barrier()
     dist.destroy_process_group()
 
 
