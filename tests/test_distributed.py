@@ -8,10 +8,6 @@ hang the suite. The ranks compare against an unsharded reference EMA trained on 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +22,8 @@ if not torch.distributed.is_available():
 
 WORKER = Path(__file__).parent / "distributed" / "worker.py"
 sys.path.insert(0, str(WORKER.parent))
+import launch  # noqa: E402
+
 from worker import SETTINGS, STEPS, Net  # noqa: E402
 
 BACKENDS = [
@@ -38,33 +36,8 @@ BACKENDS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(scenario: str, out: Path, backend: str, nproc: int, *extra: str) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(WORKER),
-        scenario,
-        str(out),
-        backend,
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{scenario} did not finish in {err.timeout} s")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-    return [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(nproc)]
+    return launch.torchrun(WORKER, scenario, out, nproc, backend, *extra)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

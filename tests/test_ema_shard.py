@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,38 +23,12 @@ if not torch.distributed.is_available():
 
 WORKER = Path(__file__).parent / "distributed" / "shard_worker.py"
 sys.path.insert(0, str(WORKER.parent))
+import launch  # noqa: E402
 from shard_worker import SETTINGS, STEPS, ShardNet  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(scenario: str, out: Path, nproc: int, *extra: str) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(WORKER),
-        scenario,
-        str(out),
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{scenario} did not finish in {err.timeout} s")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-    ranks = [json.loads((out / f"{scenario}_rank{r}.json").read_text()) for r in range(nproc)]
-    for r in ranks:
-        assert "crashed" not in r, r.get("crashed")
-    return ranks
+    return launch.torchrun(WORKER, scenario, out, nproc, *extra)
 
 
 @pytest.mark.parametrize("world", [2, 4])
