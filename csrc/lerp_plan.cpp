@@ -26,14 +26,14 @@ constexpr size_t kAhead = 12;
 void prefetch_ahead(TensorRefs list, size_t i) {
   const size_t count = list.size();
   if (i + 3 * kAhead < count) {
-    __builtin_prefetch(list[i + 3 * kAhead]);
+    prefetch_bytes(list[i + 3 * kAhead], sizeof(at::Tensor));
   }
   if (i + 2 * kAhead < count) {
     prefetch_tensor_impl(list[i + 2 * kAhead]->unsafeGetTensorImpl());
   }
   if (i + kAhead < count) {
-    __builtin_prefetch(
-        list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+    prefetch_bytes(list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
+                   sizeof(c10::StorageImpl));
   }
 }
 
