@@ -42,7 +42,7 @@ bool plain_tensor(PyObject* obj) {
 struct KeySetAccess : c10::TensorImpl {
   using c10::TensorImpl::key_set_;
 };
-void prefetch_key_set(const c10::TensorImpl* impl) {
+[[gnu::always_inline]] inline void prefetch_key_set(const c10::TensorImpl* impl) {
   __builtin_prefetch(&(impl->*&KeySetAccess::key_set_));
 }
 
