@@ -67,7 +67,7 @@ class OwnedItems {
 
   // Takes a reference to every item of `list` and returns false if one is not a plain tensor
   // (the references taken so far are dropped with this object). Each PyObject, then its
-  // TensorImpl, is prefetched ahead: a long list has left the cache since it was last used.
+  // TensorImpl's dispatch keys, are prefetched ahead: a long list has left the cache since.
   bool take_plain(PyObject* list, std::vector<const at::Tensor*>& out) {
     const auto n = static_cast<size_t>(PyList_GET_SIZE(list));
     PyObject** items = reinterpret_cast<PyListObject*>(list)->ob_item;
