@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace fused_ema {
@@ -23,40 +24,52 @@ constexpr const char* kOp = "fused_ema.lerp_: ";
 constexpr size_t kAhead = 12;
 
 // The tensor at `i` of `list`, prefetched in stages for the walk over it.
-void prefetch_ahead(TensorRefs list, size_t i) {
+[[gnu::always_inline]] inline void prefetch_ahead(TensorRefs list, size_t i) {
   const size_t count = list.size();
   if (i + 3 * kAhead < count) {
-    __builtin_prefetch(list[i + 3 * kAhead]);
+    prefetch_bytes(list[i + 3 * kAhead], sizeof(at::Tensor));
   }
   if (i + 2 * kAhead < count) {
     prefetch_tensor_impl(list[i + 2 * kAhead]->unsafeGetTensorImpl());
   }
   if (i + kAhead < count) {
-    __builtin_prefetch(
-        list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+    prefetch_bytes(list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
+                   sizeof(c10::StorageImpl));
   }
 }
 
-// VariableVersion holds only the pointer to its shared counter; reading it lets the counter be
-// prefetched before bump_version's atomic increment (a prefetch of a wrong address is harmless).
+// VariableVersion holds only the pointer to its shared counter (null for an inference tensor).
+// Reading it while the planning pass has the TensorImpl in cache lets the versions be bumped
+// later from a compact list, without missing on every TensorImpl a second time.
 static_assert(sizeof(c10::VariableVersion) == sizeof(void*));
-const void* version_counter_address(const c10::TensorImpl* impl) {
-  return *reinterpret_cast<const void* const*>(&impl->version_counter());
+void* version_counter_address(const c10::TensorImpl* impl) {
+  return *reinterpret_cast<void* const*>(&impl->version_counter());
 }
 
-// Bumps the version counters of `impls`, prefetching TensorImpl then counter ahead (a locked
-// increment that misses the cache stalls every load behind it).
-void bump_versions(const std::vector<c10::TensorImpl*>& impls) {
+// VariableVersion::VersionCounter is private; this has its layout (the same base, then the same
+// single member), so that the increment is VariableVersion::bump's.
+struct VersionCounterView : c10::intrusive_ptr_target {
+  std::atomic<uint32_t> version_;
+};
+
+// Bumps the version counters at `counters`, prefetching ahead (a locked increment that misses the
+// cache stalls every load behind it). A null counter is an inference tensor's: VariableVersion's
+// own check and message.
+void bump_versions(const std::vector<void*>& counters) {
   constexpr size_t kBumpAhead = 16;
-  const size_t count = impls.size();
+  const size_t count = counters.size();
   for (size_t i = 0; i < count; ++i) {
-    if (i + 2 * kBumpAhead < count) {
-      __builtin_prefetch(&impls[i + 2 * kBumpAhead]->version_counter());
-    }
     if (i + kBumpAhead < count) {
-      __builtin_prefetch(version_counter_address(impls[i + kBumpAhead]), 1);
+      __builtin_prefetch(counters[i + kBumpAhead], 1);
     }
-    impls[i]->bump_version();
+    if (counters[i] == nullptr) {
+      TORCH_CHECK(c10::InferenceMode::is_enabled(),
+                  "Inplace update to inference tensor outside InferenceMode is not allowed."
+                  "You can make a clone to get a normal tensor before doing inplace update."
+                  "See https://github.com/pytorch/rfcs/pull/17 for more details.");
+      continue;
+    }
+    ++static_cast<VersionCounterView*>(counters[i])->version_;
   }
 }
 
@@ -253,18 +266,21 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
   // The first device's buffers come from per-thread pools (most lists live on one device).
   Scratch<Interval, 0> first_ema_ranges;
   Scratch<Interval, 1> first_src_ranges;
-  Scratch<c10::TensorImpl*, 0> impls_scratch;
-  std::vector<c10::TensorImpl*>& ema_impls = impls_scratch.vec;
-  ema_impls.resize(count);
+  Scratch<void*, 0> counters_scratch;
+  std::vector<void*>& ema_counters = counters_scratch.vec;
+  ema_counters.resize(count);
   size_t current = 0;
+  const bool far = count >= kPrefetchFrom;
   for (size_t i = 0; i < count; ++i) {
-    prefetch_ahead(ema, i);
-    prefetch_ahead(src, i);
+    if (far) {
+      prefetch_ahead(ema, i);
+      prefetch_ahead(src, i);
+    }
     const at::Tensor& e = *ema[i];
     const at::Tensor& s = *src[i];
     const auto index = static_cast<int64_t>(i);
     check_pair(e, s, index);
-    ema_impls[i] = e.unsafeGetTensorImpl();
+    ema_counters[i] = version_counter_address(e.unsafeGetTensorImpl());
     if (work.empty() || work[current].plan.device != e.device()) {
       const auto found = std::find_if(work.begin(), work.end(), [&](const DeviceWork& w) {
         return w.plan.device == e.device();
@@ -323,7 +339,7 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
     }
     plans.push_back(std::move(w.plan));
   }
-  bump_versions(ema_impls);
+  bump_versions(ema_counters);
   return plans;
 }
 

@@ -36,6 +36,16 @@ bool plain_tensor(PyObject* obj) {
          keys == c10::DispatchKeySet(c10::DispatchKey::CUDA);
 }
 
+// The dispatch keys are all this pass reads of a TensorImpl. Prefetching the whole of it did not
+// help plan_lerp's later pass (past a few thousand tensors the L2 cache no longer holds them) but
+// spent fill buffers the next misses were waiting for.
+struct KeySetAccess : c10::TensorImpl {
+  using c10::TensorImpl::key_set_;
+};
+[[gnu::always_inline]] inline void prefetch_key_set(const c10::TensorImpl* impl) {
+  __builtin_prefetch(&(impl->*&KeySetAccess::key_set_));
+}
+
 // Strong references to the items of a list, so that the tensors outlive a release of the GIL
 // whatever happens to the list meanwhile; they are dropped (GIL held) when this goes.
 template <int kPool>
@@ -57,7 +67,7 @@ class OwnedItems {
 
   // Takes a reference to every item of `list` and returns false if one is not a plain tensor
   // (the references taken so far are dropped with this object). Each PyObject, then its
-  // TensorImpl, is prefetched ahead: a long list has left the cache since it was last used.
+  // TensorImpl's dispatch keys, are prefetched ahead: a long list has left the cache since.
   bool take_plain(PyObject* list, std::vector<const at::Tensor*>& out) {
     const auto n = static_cast<size_t>(PyList_GET_SIZE(list));
     PyObject** items = reinterpret_cast<PyListObject*>(list)->ob_item;
@@ -65,10 +75,10 @@ class OwnedItems {
     out.resize(n);
     for (size_t i = 0; i < n; ++i) {
       if (i + 2 * kAhead < n) {
-        __builtin_prefetch(items[i + 2 * kAhead], 1);
+        prefetch_bytes(items[i + 2 * kAhead], sizeof(THPVariable), /*write=*/1);
       }
       if (i + kAhead < n && tensor_type(items[i + kAhead])) {
-        prefetch_tensor_impl(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
+        prefetch_key_set(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
       }
       PyObject* item = items[i];
       Py_INCREF(item);
