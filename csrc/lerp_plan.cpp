@@ -52,10 +52,35 @@ struct VersionCounterView : c10::intrusive_ptr_target {
   std::atomic<uint32_t> version_;
 };
 
-// Bumps the version counters at `counters`, prefetching ahead (a locked increment that misses the
-// cache stalls every load behind it). A null counter is an inference tensor's: VariableVersion's
-// own check and message.
-void bump_versions(const std::vector<void*>& counters) {
+// Whether the view reads the counter VariableVersion reads, checked once by reading only: a
+// scratch tensor's version is driven to a distinctive value through torch's own bump. Another
+// torch whose layout differs makes bump_versions use TensorImpl::bump_version instead.
+bool version_view_matches() {
+  static const bool matches = [] {
+    const c10::InferenceMode not_inference(/*enabled=*/false);  // a probe with a counter
+    at::Tensor probe = at::empty({1});
+    c10::TensorImpl* impl = probe.unsafeGetTensorImpl();
+    constexpr uint32_t kDistinct = 40503;
+    for (uint32_t k = 0; k < kDistinct; ++k) {
+      impl->bump_version();
+    }
+    const void* counter = version_counter_address(impl);
+    return counter != nullptr && impl->version_counter().current_version() == kDistinct &&
+           static_cast<const VersionCounterView*>(counter)->version_.load() == kDistinct;
+  }();
+  return matches;
+}
+
+// Bumps the version counters at `counters` (of the tensors `ema`), prefetching ahead (a locked
+// increment that misses the cache stalls every load behind it). A null counter is an inference
+// tensor's: VariableVersion's own check and message.
+void bump_versions(const std::vector<void*>& counters, TensorRefs ema) {
+  if (!version_view_matches()) {
+    for (const at::Tensor* t : ema) {
+      t->unsafeGetTensorImpl()->bump_version();
+    }
+    return;
+  }
   constexpr size_t kBumpAhead = 16;
   const size_t count = counters.size();
   for (size_t i = 0; i < count; ++i) {
@@ -339,7 +364,7 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
     }
     plans.push_back(std::move(w.plan));
   }
-  bump_versions(ema_counters);
+  bump_versions(ema_counters, ema);
   return plans;
 }
 

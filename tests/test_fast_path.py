@@ -93,3 +93,21 @@ def test_fast_path_declines_under_functorch_transforms():
     # through the batched tensor's storage silently. The dispatcher refuses clearly instead.
     with pytest.raises(RuntimeError, match="Batching rule not implemented for fused_ema::lerp_"):
         torch.vmap(update)(torch.randn(2, 100))
+
+
+def test_first_call_inside_inference_mode_then_versions_still_bump():
+    """The one-time check of how versions are bumped must not depend on the first call's mode."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, fused_ema\n"
+        "with torch.inference_mode():\n"
+        "    a, b = torch.randn(3), torch.randn(3)\n"
+        "    fused_ema.lerp_([a], [b], 0.5)\n"
+        "e = [torch.randn(5) for _ in range(3000)]\n"
+        "s = [torch.randn(5) for _ in range(3000)]\n"
+        "fused_ema.lerp_(e, s, 0.25)\n"
+        "assert all(t._version == 1 for t in e), [t._version for t in e][:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
