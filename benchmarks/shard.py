@@ -35,7 +35,7 @@ PADDING_WORLDS = (2, 4, 8, 64)
 
 def averaged_shapes(model) -> list[tuple]:
     """Shapes of the tensors a float32 ModelEma averages and shards (dim >= 1, floating)."""
-    from fused_ema._tracking import named_tensors
+    from fused_ema._model_walk import named_tensors
 
     return [
         tuple(t.tensor.shape)

@@ -12,9 +12,10 @@ from torch import nn
 
 from ._dtensor import is_dtensor, local, refuse_unsharded
 from ._loader import _C
+from ._model_walk import named_tensors
 from ._module_view import EmaForwardCheck, SwappedModelView, build_module
 from ._plan import UpdatePlan
-from ._tracking import EntryPolicy, EntryTable, named_tensors, unbound
+from ._tracking import EntryPolicy, EntryTable, unbound
 from .errors import StructureMismatchError
 
 _RESYNC_HINT = (

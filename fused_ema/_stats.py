@@ -7,7 +7,7 @@ import math
 import torch
 
 from ._dtensor import local, sharding
-from ._tracking import named_tensors
+from ._model_walk import named_tensors
 from .ops import lerp_
 
 

@@ -28,8 +28,9 @@ from typing import NamedTuple
 
 import torch
 
+from ._model_walk import strip_checkpoint_prefixes
+from ._name_filters import check_name_patterns
 from ._schedule import whole_number
-from ._tracking import check_name_patterns, strip_checkpoint_prefixes
 from .errors import CheckpointError
 
 FORMAT = "fused_ema.ModelEma"

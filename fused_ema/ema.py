@@ -1,11 +1,12 @@
 """ModelEma: a device-safe, fused exponential moving average of a model's weights.
 
 The public façade. The parts that own state live beside it: the schedule (_schedule.py), the
-entries and how a model is matched to them (_tracking.py), the update plan that every mode runs
-(_plan.py, with _async.py for non_blocking and _compiled.py for torch.compile), the evaluation
-views (_module_view.py, _swap.py), checkpoints (checkpoint.py, and _nested_state.py inside a
-parent module's state dict), ema.to() (_placement.py) and attach(optimizer) (_attach.py). Any
-public call that raises leaves the EMA (tensors, step, schedule) and the model as they were.
+entries and how a model is matched to them (_tracking.py, with _model_walk.py and
+_name_filters.py), the update plan that every mode runs (_plan.py, with _async.py for
+non_blocking and _compiled.py for torch.compile), the evaluation views (_module_view.py,
+_swap.py), checkpoints (checkpoint.py, and _nested_state.py inside a parent module's state dict),
+ema.to() (_placement.py) and attach(optimizer) (_attach.py). Any public call that raises leaves
+the EMA (tensors, step, schedule) and the model as they were.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from ._async import AsyncRunner
 from ._attach import attach
 from ._binding import Binding
 from ._dtensor import gather_full, reshard_fsdp
+from ._model_walk import tensor_walk, unwrap_model
+from ._name_filters import name_filters
 from ._placement import move, parse_to
 from ._plan import UpdatePlan
 from ._schedule import (
@@ -37,12 +40,7 @@ from ._schedule import (
 from ._shard import resolve
 from ._stats import ema_stats
 from ._swap import Swap, check_writable, copy_all
-from ._tracking import (
-    EntryPolicy,
-    name_filters,
-    tensor_walk,
-    unwrap_model,
-)
+from ._tracking import EntryPolicy
 from .checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
 from .errors import CheckpointError, PrecisionWarning
 

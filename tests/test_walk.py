@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fused_ema import _C
-from fused_ema._tracking import tensor_walk
+from fused_ema._model_walk import tensor_walk
 
 
 def reference_walk(model: nn.Module, with_buffers: bool) -> list:

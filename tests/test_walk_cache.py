@@ -362,7 +362,7 @@ def wrappers():
 
 @pytest.mark.parametrize("index", range(len(wrappers())))
 def test_unwrap_model_finds_what_getattr_finds(index):
-    from fused_ema._tracking import unwrap_model
+    from fused_ema._model_walk import unwrap_model
 
     model = wrappers()[index]
     got = unwrap_model(model)

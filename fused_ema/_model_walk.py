@@ -1,0 +1,147 @@
+"""Which tensors of a model an EMA follows and under which names: parameters (a tied parameter
+once, with all its names) and persistent buffers, found the way ``named_parameters``/``state_dict``
+do; DDP, DataParallel and torch.compile wrappers unwrapped, FSDP1 / activation-checkpoint name
+components dropped."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+PARAM = "param"
+BUFFER = "buffer"
+
+# Name components that wrappers insert between a module and its children.
+_WRAPPER_COMPONENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
+# Prefixes a whole checkpoint may carry: DDP/DataParallel (module.), torch.compile (_orig_mod.).
+_CHECKPOINT_PREFIXES = ("module.", "_orig_mod.")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / DataParallel / torch.compile wrappers (any nesting)."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+            continue
+        inner = _orig_mod(model)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _orig_mod(model: nn.Module):
+    """model._orig_mod (torch.compile's wrapper keeps the model there) as getattr finds it, but
+    for a plain module without raising and catching the AttributeError of nn.Module.__getattr__:
+    that cost a few microseconds per update."""
+    kind = type(model)
+    if kind.__getattr__ is not nn.Module.__getattr__ or hasattr(kind, "_orig_mod"):
+        return getattr(model, "_orig_mod", None)
+    attributes = model.__dict__
+    if "_orig_mod" in attributes:
+        return attributes["_orig_mod"]
+    for where in ("_parameters", "_buffers", "_modules"):  # nn.Module.__getattr__'s order
+        found = attributes.get(where)
+        if found is not None and "_orig_mod" in found:
+            return found["_orig_mod"]
+    return None
+
+
+def clean_name(name: str) -> str:
+    return _WRAPPER_COMPONENT.sub(r"\1", name)
+
+
+def strip_checkpoint_prefixes(names) -> dict[str, str]:
+    """Maps each checkpoint key to its name without a prefix that *every* key carries."""
+    mapping = {name: clean_name(name) for name in names}
+    changed = True
+    while changed and mapping:
+        changed = False
+        for prefix in _CHECKPOINT_PREFIXES:
+            if all(stripped.startswith(prefix) for stripped in mapping.values()):
+                mapping = {key: stripped[len(prefix) :] for key, stripped in mapping.items()}
+                changed = True
+    return mapping
+
+
+@dataclass
+class Tracked:
+    """One distinct tensor of the model: its names (tied weights have several) and kind."""
+
+    names: list[str]
+    kind: str
+    tensor: torch.Tensor = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def _modules(model: nn.Module):
+    """(prefix, module) for every distinct module, in named_modules order, without the cost of
+    building names for modules that have no tensors of their own."""
+    seen = set()
+    stack = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield prefix, module
+        children = [
+            (f"{prefix}{name}.", child)
+            for name, child in module._modules.items()
+            if child is not None
+        ]
+        stack.extend(reversed(children))
+
+
+def _persistent_buffers(module: nn.Module):
+    skip = module._non_persistent_buffers_set
+    return ((n, b) for n, b in module._buffers.items() if b is not None and n not in skip)
+
+
+def named_tensors(model: nn.Module, with_buffers: bool = True) -> list[Tracked]:
+    """Every distinct parameter, then every distinct persistent buffer, by first name."""
+    by_id: dict[int, Tracked] = {}
+    params: list[Tracked] = []
+    buffers: list[Tracked] = []
+    for prefix, module in _modules(model):
+        items = [(n, p, PARAM) for n, p in module._parameters.items() if p is not None]
+        if with_buffers:
+            items += [(n, b, BUFFER) for n, b in _persistent_buffers(module)]
+        for name, tensor, kind in items:
+            full = clean_name(prefix + name)
+            if id(tensor) in by_id:
+                by_id[id(tensor)].names.append(full)
+                continue
+            entry = Tracked([full], kind, tensor)
+            by_id[id(tensor)] = entry
+            (params if kind == PARAM else buffers).append(entry)
+    return params + buffers
+
+
+def tensor_walk(model: nn.Module, with_buffers: bool = True) -> list:
+    """The model's tensors (and None placeholders) in a fixed order, as cheaply as Python
+    allows: compared by identity with the previous update's walk, it tells whether anything was
+    added, removed or replaced. Shared modules are visited once, as named_modules does."""
+    out: list = []
+    extend = out.extend
+    seen: set = set()
+    mark = seen.add
+    stack = [model]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        module = pop()
+        if id(module) in seen:
+            continue
+        mark(id(module))
+        extend(module._parameters.values())
+        if with_buffers:
+            skip = module._non_persistent_buffers_set
+            buffers = module._buffers
+            extend([b for n, b in buffers.items() if n not in skip] if skip else buffers.values())
+        push([m for m in reversed(module._modules.values()) if m is not None])
+    return out
