@@ -50,28 +50,12 @@ void check_runner(Runner runner, const DevicePlan& plan, const LerpWeight& weigh
               plan.device, "; pass the weight on the EMA's device, on the CPU, or as a float");
 }
 
-void run(TensorRefs ema, TensorRefs src, const LerpWeight& weight) {
-  RECORD_FUNCTION("fused_ema::lerp_", std::vector<c10::IValue>());
-  for (const DevicePlan& plan : plan_lerp(ema, src)) {
-    const DeviceRunner runner = runners()[static_cast<size_t>(plan.device.type())];
-    check_runner(runner, plan, weight, kOp);
-    runner(plan, weight);
-  }
-}
-
 std::vector<const at::Tensor*> refs(at::TensorList tensors) {
   std::vector<const at::Tensor*> out(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     out[i] = &tensors[i];
   }
   return out;
-}
-
-void lerp_value(TensorRefs ema, TensorRefs src, double weight) {
-  // A NaN or infinite weight would poison every EMA entry; a device weight cannot be checked
-  // without a sync, so only host-known weights are.
-  TORCH_CHECK_VALUE(std::isfinite(weight), kOp, "weight must be finite, got ", weight);
-  run(ema, src, {weight, nullptr});
 }
 
 }  // namespace
@@ -91,20 +75,41 @@ std::vector<std::string> devices_with_kernels() {
   return names;
 }
 
-void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight) {
+LerpWeight checked_weight(const c10::Scalar& weight) {
   // The schema's Scalar keeps the Python type, so that True is refused here as it is by
   // fused_ema.lerp_ (a `float` argument would have turned it into 1.0).
   TORCH_CHECK_TYPE(weight.isFloatingPoint() || weight.isIntegral(/*includeBool=*/false), kOp,
                    "weight must be a float or a 0-dim tensor, got ",
                    weight.isBoolean() ? "bool" : "complex");
-  lerp_value(ema, src, weight.toDouble());
+  // A NaN or infinite weight would poison every EMA entry; a device weight cannot be checked
+  // without a sync, so only host-known weights are.
+  const double value = weight.toDouble();
+  TORCH_CHECK_VALUE(std::isfinite(value), kOp, "weight must be finite, got ", value);
+  return {value, nullptr};
 }
 
-namespace {
+void run_plans(const std::vector<DevicePlan>& plans, const LerpWeight& weight) {
+  RECORD_FUNCTION("fused_ema::lerp_", std::vector<c10::IValue>());
+  for (const DevicePlan& plan : plans) {
+    const DeviceRunner runner = runners()[static_cast<size_t>(plan.device.type())];
+    check_runner(runner, plan, weight, kOp);
+    runner(plan, weight);
+  }
+}
+
+void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight) {
+  const LerpWeight checked = checked_weight(weight);
+  run_plans(plan_lerp(ema, src), checked);
+}
+
+void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
+  const LerpWeight checked = checked_weight(weight);
+  run_plans(plan_lerp(ema, src), checked);
+}
 
 // The checks of a tensor weight; a CPU one is read here (one number needs no trip through the
 // dispatcher).
-LerpWeight tensor_weight(const at::Tensor& weight) {
+LerpWeight checked_weight(const at::Tensor& weight) {
   TORCH_CHECK_VALUE(weight.defined(), kOp, "weight is an undefined tensor");
   TORCH_CHECK_VALUE(weight.numel() == 1 && weight.dim() <= 1, kOp,
                     "a tensor weight must hold one element (a 0-dim tensor), got shape ",
@@ -122,6 +127,8 @@ LerpWeight tensor_weight(const at::Tensor& weight) {
   TORCH_CHECK_VALUE(std::isfinite(value), kOp, "weight must be finite, got ", value);
   return {value, nullptr};
 }
+
+namespace {
 
 // The step and the per-tensor arguments of lerp_stochastic_; a CPU step is read here.
 StochasticRounding rounding_args(size_t count, const at::Tensor& step, int64_t seed,
@@ -160,7 +167,7 @@ void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
   RECORD_FUNCTION("fused_ema::lerp_stochastic_", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
                     src.size());
-  const LerpWeight w = tensor_weight(weight);
+  const LerpWeight w = checked_weight(weight);
   const StochasticRounding rounding = rounding_args(ema.size(), step, seed, keys, offsets);
   for (size_t i = 0; i < ema.size(); ++i) {
     TORCH_CHECK_VALUE(ema[i]->defined(), kOp, "ema[", i, "] is an undefined tensor");
@@ -192,9 +199,6 @@ bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner) {
   return true;
 }
 
-void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
-  run(ema, src, tensor_weight(weight));
-}
 
 void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight) {
   lerp(refs(ema), refs(src), weight);

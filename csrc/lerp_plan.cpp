@@ -33,8 +33,8 @@ constexpr size_t kAhead = 12;
     prefetch_tensor_impl(list[i + 2 * kAhead]->unsafeGetTensorImpl());
   }
   if (i + kAhead < count) {
-    prefetch_bytes(list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
-                   sizeof(c10::StorageImpl));
+    prefetch_storage_data_ptr(
+        list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
   }
 }
 
@@ -71,13 +71,13 @@ bool version_view_matches() {
   return matches;
 }
 
-// Bumps the version counters at `counters` (of the tensors `ema`), prefetching ahead (a locked
-// increment that misses the cache stalls every load behind it). A null counter is an inference
-// tensor's: VariableVersion's own check and message.
-void bump_versions(const std::vector<void*>& counters, TensorRefs ema) {
+// Bumps the version counters at `counters`, prefetching ahead (a locked increment that misses
+// the cache stalls every load behind it). A null counter is an inference tensor's: VariableVersion's
+// own check and message. Where the view does not match, the entries are the TensorImpls instead.
+void bump_versions(const std::vector<void*>& counters) {
   if (!version_view_matches()) {
-    for (const at::Tensor* t : ema) {
-      t->unsafeGetTensorImpl()->bump_version();
+    for (void* impl : counters) {
+      static_cast<c10::TensorImpl*>(impl)->bump_version();
     }
     return;
   }
@@ -97,12 +97,6 @@ void bump_versions(const std::vector<void*>& counters, TensorRefs ema) {
     ++static_cast<VersionCounterView*>(counters[i])->version_;
   }
 }
-
-struct Interval {
-  uintptr_t lo;
-  uintptr_t hi;
-  int64_t index;
-};
 
 // Elements from the lowest to one past the highest; PyTorch strides are never negative.
 [[gnu::noinline]] int64_t strided_extent(const at::Tensor& t) {
@@ -227,10 +221,6 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
   }
 }
 
-bool operator==(const Interval& a, const Interval& b) {
-  return a.lo == b.lo && a.hi == b.hi && a.index == b.index;
-}
-
 // The same lists come back every training step (ModelEma, optimizer-style loops). Checking them
 // means sorting their address ranges; a thread remembers the last ranges it found free of overlap
 // and skips the sort when the new ones are identical, compared exactly.
@@ -250,16 +240,6 @@ void check_overlap_once(std::vector<Interval>& emas, std::vector<Interval>& srcs
     throw;
   }
 }
-
-// Per device: the plan under construction, the address ranges, and the pairs left for stand-ins.
-struct DeviceWork {
-  explicit DeviceWork(c10::Device d) : plan(d) {}
-  DevicePlan plan;
-  std::vector<Interval> ema_ranges;
-  std::vector<Interval> src_ranges;
-  std::vector<int64_t> needs_stand_in;
-  size_t pair_count = 0;  // plan.pairs is sized for every pair until planning ends
-};
 
 std::vector<FlatPair>& spare_pairs() {
   thread_local std::vector<FlatPair> pool;
@@ -281,91 +261,105 @@ void DevicePlan::finish() const {
   }
 }
 
+LerpPlanner::LerpPlanner(size_t count, bool row_major)
+    : count_(count), row_major_(row_major), counter_view_(version_view_matches()) {
+  TORCH_CHECK_VALUE(count <= UINT32_MAX, kOp, "at most ", UINT32_MAX, " tensors per call, got ",
+                    count);
+  counters_.vec.resize(count);
+}
+
+LerpPlanner::~LerpPlanner() {
+  if (!work_.empty()) {
+    work_[0].ema_ranges.swap(first_ema_ranges_.vec);
+    work_[0].src_ranges.swap(first_src_ranges_.vec);
+  }
+}
+
+LerpPlanner::DeviceWork& LerpPlanner::work_for(c10::Device device) {
+  if (!work_.empty() && work_[current_].plan.device == device) {
+    return work_[current_];
+  }
+  const auto found = std::find_if(work_.begin(), work_.end(),
+                                  [&](const DeviceWork& w) { return w.plan.device == device; });
+  current_ = static_cast<size_t>(found - work_.begin());
+  if (found == work_.end()) {
+    DeviceWork& w = work_.emplace_back(device);
+    if (work_.size() == 1) {
+      w.plan.pairs.swap(spare_pairs());
+      w.ema_ranges.swap(first_ema_ranges_.vec);
+      w.src_ranges.swap(first_src_ranges_.vec);
+    }
+    w.plan.pairs.resize(count_);
+    w.ema_ranges.reserve(count_);
+    w.src_ranges.reserve(count_);
+  }
+  return work_[current_];
+}
+
+void LerpPlanner::add(const at::Tensor& e, const at::Tensor& s) {
+  TORCH_INTERNAL_ASSERT(next_ < count_);
+  const size_t i = next_++;
+  const auto index = static_cast<int64_t>(i);
+  check_pair(e, s, index);
+  c10::TensorImpl* impl = e.unsafeGetTensorImpl();
+  counters_.vec[i] = counter_view_ ? version_counter_address(impl) : impl;
+  DeviceWork& w = work_for(e.device());
+  const int64_t n = e.numel();
+  if (n == 0) {
+    return;
+  }
+  const bool e_contiguous = e.is_contiguous();
+  const bool s_contiguous = s.is_contiguous();
+  void* e_data = e.mutable_data_ptr();
+  const void* s_data = s.const_data_ptr();
+  w.ema_ranges.push_back(memory_interval(e, e_data, e_contiguous, index));
+  w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
+  if (dense_pair(e, s, e_contiguous, s_contiguous) && (e_contiguous || !row_major_)) {
+    // Written in place (sized for every pair up front): push_back was an out-of-line call.
+    FlatPair& pair = w.plan.pairs[w.pair_count++];
+    pair.ema = e_data;
+    pair.src = s_data;
+    pair.numel = n;
+    pair.kind = *pair_kind(e.scalar_type(), s.scalar_type());
+    pair.index = static_cast<uint32_t>(i);
+  } else {
+    w.stand_ins.push_back({&e, &s, static_cast<uint32_t>(i)});
+  }
+}
+
+std::vector<DevicePlan> LerpPlanner::finish() {
+  TORCH_INTERNAL_ASSERT(next_ == count_);
+  for (DeviceWork& w : work_) {
+    w.plan.pairs.resize(w.pair_count);
+    check_overlap_once(w.ema_ranges, w.src_ranges);
+  }
+  // Every check has passed: only now may stand-ins be made and versions move.
+  std::vector<DevicePlan> plans;
+  plans.reserve(work_.size());
+  for (DeviceWork& w : work_) {
+    for (const StandIn& pair : w.stand_ins) {
+      add_stand_in_pair(w.plan, *pair.ema, *pair.src, pair.index, row_major_);
+    }
+    plans.push_back(std::move(w.plan));
+  }
+  bump_versions(counters_.vec);
+  return plans;
+}
+
 std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major) {
   TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
                     src.size());
   const size_t count = ema.size();
-  TORCH_CHECK_VALUE(count <= UINT32_MAX, kOp, "at most ", UINT32_MAX, " tensors per call, got ",
-                    count);
-  std::vector<DeviceWork> work;
-  // The first device's buffers come from per-thread pools (most lists live on one device).
-  Scratch<Interval, 0> first_ema_ranges;
-  Scratch<Interval, 1> first_src_ranges;
-  Scratch<void*, 0> counters_scratch;
-  std::vector<void*>& ema_counters = counters_scratch.vec;
-  ema_counters.resize(count);
-  size_t current = 0;
+  LerpPlanner planner(count, row_major);
   const bool far = count >= kPrefetchFrom;
   for (size_t i = 0; i < count; ++i) {
     if (far) {
       prefetch_ahead(ema, i);
       prefetch_ahead(src, i);
     }
-    const at::Tensor& e = *ema[i];
-    const at::Tensor& s = *src[i];
-    const auto index = static_cast<int64_t>(i);
-    check_pair(e, s, index);
-    ema_counters[i] = version_counter_address(e.unsafeGetTensorImpl());
-    if (work.empty() || work[current].plan.device != e.device()) {
-      const auto found = std::find_if(work.begin(), work.end(), [&](const DeviceWork& w) {
-        return w.plan.device == e.device();
-      });
-      current = static_cast<size_t>(found - work.begin());
-      if (found == work.end()) {
-        work.emplace_back(e.device());
-        if (work.size() == 1) {
-          work[0].plan.pairs.swap(spare_pairs());
-          work[0].ema_ranges.swap(first_ema_ranges.vec);
-          work[0].src_ranges.swap(first_src_ranges.vec);
-        }
-        work.back().plan.pairs.resize(count);
-        work.back().ema_ranges.reserve(count);
-        work.back().src_ranges.reserve(count);
-      }
-    }
-    const int64_t n = e.numel();
-    if (n == 0) {
-      continue;
-    }
-    DeviceWork& w = work[current];
-    const bool e_contiguous = e.is_contiguous();
-    const bool s_contiguous = s.is_contiguous();
-    void* e_data = e.mutable_data_ptr();
-    const void* s_data = s.const_data_ptr();
-    w.ema_ranges.push_back(memory_interval(e, e_data, e_contiguous, index));
-    w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
-    if (dense_pair(e, s, e_contiguous, s_contiguous) && (e_contiguous || !row_major)) {
-      // Written in place (sized for every pair up front): push_back was an out-of-line call.
-      FlatPair& pair = w.plan.pairs[w.pair_count++];
-      pair.ema = e_data;
-      pair.src = s_data;
-      pair.numel = n;
-      pair.kind = *pair_kind(e.scalar_type(), s.scalar_type());
-      pair.index = static_cast<uint32_t>(i);
-    } else {
-      w.needs_stand_in.push_back(index);
-    }
+    planner.add(*ema[i], *src[i]);
   }
-  for (DeviceWork& w : work) {
-    w.plan.pairs.resize(w.pair_count);
-    check_overlap_once(w.ema_ranges, w.src_ranges);
-  }
-  if (!work.empty()) {
-    work[0].ema_ranges.swap(first_ema_ranges.vec);
-    work[0].src_ranges.swap(first_src_ranges.vec);
-  }
-
-  // Every check has passed: only now may stand-ins be made and versions move.
-  std::vector<DevicePlan> plans;
-  plans.reserve(work.size());
-  for (DeviceWork& w : work) {
-    for (const int64_t i : w.needs_stand_in) {
-      add_stand_in_pair(w.plan, *ema[i], *src[i], static_cast<uint32_t>(i), row_major);
-    }
-    plans.push_back(std::move(w.plan));
-  }
-  bump_versions(ema_counters, ema);
-  return plans;
+  return planner.finish();
 }
 
 }  // namespace fused_ema

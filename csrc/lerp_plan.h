@@ -67,6 +67,12 @@ struct DevicePlan {
   prefetch_bytes(impl, sizeof(c10::TensorImpl));
 }
 
+// Prefetches what data_ptr() reads of a StorageImpl: the DataPtr and the flags after it, the
+// first 64 bytes (a whole StorageImpl is three lines, and fill buffers are the scarce resource).
+[[gnu::always_inline]] inline void prefetch_storage_data_ptr(const c10::StorageImpl* storage) {
+  prefetch_bytes(storage, 64);
+}
+
 // Lists shorter than this are still in the L2 cache from their last update, where prefetching
 // by hand only adds instructions (1,000 tensors cost 20% more with it).
 constexpr size_t kPrefetchFrom = 2048;
@@ -99,10 +105,68 @@ class Scratch {
   }
 };
 
-// Validates lengths, devices, layouts, dtype pairs, shapes, autograd state and memory overlap,
-// naming the index of the first bad pair. Returns one plan per device, in order of appearance.
-// row_major: every span lists its ema's elements in row-major order (lerp_stochastic_ numbers
-// them), so a non-contiguous ema is computed in a contiguous stand-in and written back.
+// The memory of a tensor, [lo, hi) in bytes, and its index in the caller's lists.
+struct Interval {
+  uintptr_t lo;
+  uintptr_t hi;
+  int64_t index;
+
+  bool operator==(const Interval& o) const { return lo == o.lo && hi == o.hi && index == o.index; }
+};
+
+// Checks (ema, src) pairs one at a time and flattens them into per-device plans; nothing is
+// written until finish(). One object serves the dispatcher's lists (plan_lerp) and the Python
+// fast path, which feeds it while unpacking its lists so that each tensor's metadata is fetched
+// from memory once. Pairs must be added in index order; the tensors must outlive finish().
+class LerpPlanner {
+ public:
+  // row_major: every span lists its ema's elements in row-major order (lerp_stochastic_ numbers
+  // them), so a non-contiguous ema is computed in a contiguous stand-in and written back.
+  LerpPlanner(size_t count, bool row_major);
+  LerpPlanner(const LerpPlanner&) = delete;
+  LerpPlanner& operator=(const LerpPlanner&) = delete;
+  ~LerpPlanner();
+
+  // Validates devices, layouts, dtype pair, shapes and autograd state of the next pair, naming
+  // its index if one is wrong.
+  void add(const at::Tensor& e, const at::Tensor& s);
+
+  // Checks memory overlap; then (every check passed) makes the stand-ins and bumps the version
+  // counters of the ema tensors. Returns one plan per device, in order of appearance.
+  std::vector<DevicePlan> finish();
+
+ private:
+  struct StandIn {
+    const at::Tensor* ema;
+    const at::Tensor* src;
+    uint32_t index;
+  };
+  // Per device: the plan under construction, the address ranges, and the pairs left for
+  // stand-ins.
+  struct DeviceWork {
+    explicit DeviceWork(c10::Device d) : plan(d) {}
+    DevicePlan plan;
+    std::vector<Interval> ema_ranges;
+    std::vector<Interval> src_ranges;
+    std::vector<StandIn> stand_ins;
+    size_t pair_count = 0;  // plan.pairs is sized for every pair until finish()
+  };
+
+  DeviceWork& work_for(c10::Device device);
+
+  size_t count_;
+  size_t next_ = 0;
+  bool row_major_;
+  bool counter_view_;  // counters_ holds version counters, else TensorImpls (lerp_plan.cpp)
+  std::vector<DeviceWork> work_;
+  size_t current_ = 0;
+  // The first device's buffers and the version counters come from per-thread pools.
+  Scratch<Interval, 0> first_ema_ranges_;
+  Scratch<Interval, 1> first_src_ranges_;
+  Scratch<void*, 0> counters_;
+};
+
+// The planner over two lists (the dispatcher's route), prefetching the metadata of long lists.
 std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major = false);
 
 }  // namespace fused_ema

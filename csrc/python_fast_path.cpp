@@ -10,10 +10,12 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <exception>
 #include <optional>
 #include <vector>
 
 #include "lerp_op.h"
+#include "lerp_plan.h"
 
 namespace fused_ema {
 namespace {
@@ -36,19 +38,32 @@ bool plain_tensor(PyObject* obj) {
          keys == c10::DispatchKeySet(c10::DispatchKey::CUDA);
 }
 
-// The dispatch keys are all this pass reads of a TensorImpl. Prefetching the whole of it did not
-// help plan_lerp's later pass (past a few thousand tensors the L2 cache no longer holds them) but
-// spent fill buffers the next misses were waiting for.
-struct KeySetAccess : c10::TensorImpl {
-  using c10::TensorImpl::key_set_;
-};
-[[gnu::always_inline]] inline void prefetch_key_set(const c10::TensorImpl* impl) {
-  __builtin_prefetch(&(impl->*&KeySetAccess::key_set_));
+// A long list's metadata has left the cache since the last call. Each tensor is fetched in stages,
+// each a few tensors further ahead than the object its address is read from: kAhead * 3: the
+// PyObject, * 2: its TensorImpl, * 1: the StorageImpl. Reading each once, in the one pass that
+// unpacks and checks, is what keeps the cost per tensor flat as lists outgrow the L2 cache.
+constexpr size_t kAhead = 12;
+
+// What the pass reads of a THPVariable: the reference count, the type and the tensor.
+constexpr size_t kPyObjectBytes = offsetof(THPVariable, cdata) + sizeof(at::Tensor);
+
+[[gnu::always_inline]] inline void prefetch_ahead(PyObject* const* items, size_t i, size_t n) {
+  if (i + 3 * kAhead < n) {
+    prefetch_bytes(items[i + 3 * kAhead], kPyObjectBytes, /*write=*/1);
+  }
+  if (i + 2 * kAhead < n && tensor_type(items[i + 2 * kAhead])) {
+    prefetch_tensor_impl(THPVariable_Unpack(items[i + 2 * kAhead]).unsafeGetTensorImpl());
+  }
+  if (i + kAhead < n && tensor_type(items[i + kAhead])) {
+    const c10::TensorImpl* impl = THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl();
+    if (impl->has_storage()) {
+      prefetch_storage_data_ptr(impl->unsafe_storage().unsafeGetStorageImpl());
+    }
+  }
 }
 
-// Strong references to the items of a list, so that the tensors outlive a release of the GIL
-// whatever happens to the list meanwhile; they are dropped (GIL held) when this goes.
-template <int kPool>
+// Strong references to the tensors of both lists, so that they outlive a release of the GIL
+// whatever happens to the lists meanwhile; they are dropped (GIL held) when this goes.
 class OwnedItems {
  public:
   OwnedItems() = default;
@@ -58,43 +73,33 @@ class OwnedItems {
     const std::vector<PyObject*>& items = items_.vec;
     const size_t n = items.size();
     for (size_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) {
-        __builtin_prefetch(items[i + kAhead], 1);
+      if (i + kDropAhead < n) {
+        __builtin_prefetch(items[i + kDropAhead], 1);
       }
       Py_DECREF(items[i]);
     }
   }
 
-  // Takes a reference to every item of `list` and returns false if one is not a plain tensor
-  // (the references taken so far are dropped with this object). Each PyObject, then its
-  // TensorImpl's dispatch keys, are prefetched ahead: a long list has left the cache since.
-  bool take_plain(PyObject* list, std::vector<const at::Tensor*>& out) {
-    const auto n = static_cast<size_t>(PyList_GET_SIZE(list));
-    PyObject** items = reinterpret_cast<PyListObject*>(list)->ob_item;
-    items_.vec.reserve(n);
-    out.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (i + 2 * kAhead < n) {
-        prefetch_bytes(items[i + 2 * kAhead], sizeof(THPVariable), /*write=*/1);
-      }
-      if (i + kAhead < n && tensor_type(items[i + kAhead])) {
-        prefetch_key_set(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
-      }
-      PyObject* item = items[i];
-      Py_INCREF(item);
-      items_.vec.push_back(item);
-      if (!plain_tensor(item)) {
-        return false;
-      }
-      out[i] = &THPVariable_Unpack(item);
-    }
-    return true;
+  void reserve(size_t n) { items_.vec.reserve(n); }
+  void take(PyObject* item) {
+    Py_INCREF(item);
+    items_.vec.push_back(item);
   }
 
  private:
-  static constexpr size_t kAhead = 24;
-  Scratch<PyObject*, kPool> items_;
+  static constexpr size_t kDropAhead = 24;
+  Scratch<PyObject*, 0> items_;
 };
+
+// Whether every item of items[begin, n) is a plain tensor.
+bool all_plain(PyObject* const* ema, PyObject* const* src, size_t begin, size_t n) {
+  for (size_t i = begin; i < n; ++i) {
+    if (!plain_tensor(ema[i]) || !plain_tensor(src[i])) {
+      return false;
+    }
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -129,22 +134,44 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
   } else if (!plain_tensor(weight)) {
     Py_RETURN_FALSE;
   }
-  OwnedItems<0> owned_ema;
-  OwnedItems<1> owned_src;
-  Scratch<const at::Tensor*, 0> ema_scratch;
-  Scratch<const at::Tensor*, 1> src_scratch;
-  std::vector<const at::Tensor*>& ema = ema_scratch.vec;
-  std::vector<const at::Tensor*>& src = src_scratch.vec;
-  if (!owned_ema.take_plain(ema_list, ema) || !owned_src.take_plain(src_list, src)) {
-    Py_RETURN_FALSE;
+  const auto n = static_cast<size_t>(PyList_GET_SIZE(ema_list));
+  PyObject* const* ema = reinterpret_cast<PyListObject*>(ema_list)->ob_item;
+  PyObject* const* src = reinterpret_cast<PyListObject*>(src_list)->ob_item;
+  OwnedItems owned;
+  owned.reserve(2 * n);
+  LerpPlanner planner(n, /*row_major=*/false);
+  const bool far = n >= kPrefetchFrom;
+  // A pair the planner refuses is reported only once the rest are known to be plain tensors (else
+  // the dispatcher decides) and the weight has been checked, as the dispatcher's route orders it.
+  std::exception_ptr refused;
+  for (size_t i = 0; i < n; ++i) {
+    if (far) {
+      prefetch_ahead(ema, i, n);
+      prefetch_ahead(src, i, n);
+    }
+    owned.take(ema[i]);
+    owned.take(src[i]);
+    if (!plain_tensor(ema[i]) || !plain_tensor(src[i])) {
+      Py_RETURN_FALSE;
+    }
+    try {
+      planner.add(THPVariable_Unpack(ema[i]), THPVariable_Unpack(src[i]));
+    } catch (const c10::Error&) {
+      if (!all_plain(ema, src, i + 1, n)) {
+        Py_RETURN_FALSE;
+      }
+      refused = std::current_exception();
+      break;
+    }
   }
-  if (number.has_value()) {
+  const LerpWeight checked = number.has_value() ? checked_weight(*number)
+                                                : checked_weight(THPVariable_Unpack(weight));
+  if (refused) {
+    std::rethrow_exception(refused);
+  }
+  {
     pybind11::gil_scoped_release no_gil;
-    lerp(ema, src, *number);
-  } else {
-    const at::Tensor& tensor = THPVariable_Unpack(weight);
-    pybind11::gil_scoped_release no_gil;
-    lerp(ema, src, tensor);
+    run_plans(planner.finish(), checked);
   }
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
