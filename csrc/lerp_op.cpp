@@ -199,7 +199,6 @@ bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner) {
   return true;
 }
 
-
 void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight) {
   lerp(refs(ema), refs(src), weight);
 }

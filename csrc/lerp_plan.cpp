@@ -27,7 +27,7 @@ constexpr size_t kAhead = 12;
 [[gnu::always_inline]] inline void prefetch_ahead(TensorRefs list, size_t i) {
   const size_t count = list.size();
   if (i + 3 * kAhead < count) {
-    prefetch_bytes(list[i + 3 * kAhead], sizeof(at::Tensor));
+    prefetch_object<sizeof(at::Tensor)>(list[i + 3 * kAhead]);
   }
   if (i + 2 * kAhead < count) {
     prefetch_tensor_impl(list[i + 2 * kAhead]->unsafeGetTensorImpl());
@@ -72,8 +72,9 @@ bool version_view_matches() {
 }
 
 // Bumps the version counters at `counters`, prefetching ahead (a locked increment that misses
-// the cache stalls every load behind it). A null counter is an inference tensor's: VariableVersion's
-// own check and message. Where the view does not match, the entries are the TensorImpls instead.
+// the cache stalls every load behind it). A null counter is an inference tensor's:
+// VariableVersion's own check and message. Where the view does not match, the entries are the
+// TensorImpls instead.
 void bump_versions(const std::vector<void*>& counters) {
   if (!version_view_matches()) {
     for (void* impl : counters) {

@@ -42,22 +42,25 @@ bool plain_tensor(PyObject* obj) {
 // each a few tensors further ahead than the object its address is read from: kAhead * 3: the
 // PyObject, * 2: its TensorImpl, * 1: the StorageImpl. Reading each once, in the one pass that
 // unpacks and checks, is what keeps the cost per tensor flat as lists outgrow the L2 cache.
-constexpr size_t kAhead = 12;
+constexpr size_t kAhead = 8;
 
 // What the pass reads of a THPVariable: the reference count, the type and the tensor.
 constexpr size_t kPyObjectBytes = offsetof(THPVariable, cdata) + sizeof(at::Tensor);
 
 [[gnu::always_inline]] inline void prefetch_ahead(PyObject* const* items, size_t i, size_t n) {
   if (i + 3 * kAhead < n) {
-    prefetch_bytes(items[i + 3 * kAhead], kPyObjectBytes, /*write=*/1);
+    prefetch_object<kPyObjectBytes, /*kWrite=*/1>(items[i + 3 * kAhead]);
   }
   if (i + 2 * kAhead < n && tensor_type(items[i + 2 * kAhead])) {
     prefetch_tensor_impl(THPVariable_Unpack(items[i + 2 * kAhead]).unsafeGetTensorImpl());
   }
   if (i + kAhead < n && tensor_type(items[i + kAhead])) {
-    const c10::TensorImpl* impl = THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl();
-    if (impl->has_storage()) {
-      prefetch_storage_data_ptr(impl->unsafe_storage().unsafeGetStorageImpl());
+    const c10::StorageImpl* storage = THPVariable_Unpack(items[i + kAhead])
+                                          .unsafeGetTensorImpl()
+                                          ->unsafe_storage()
+                                          .unsafeGetStorageImpl();
+    if (storage != nullptr) {
+      prefetch_storage_data_ptr(storage);
     }
   }
 }
@@ -164,8 +167,8 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
       break;
     }
   }
-  const LerpWeight checked = number.has_value() ? checked_weight(*number)
-                                                : checked_weight(THPVariable_Unpack(weight));
+  const LerpWeight checked =
+      number.has_value() ? checked_weight(*number) : checked_weight(THPVariable_Unpack(weight));
   if (refused) {
     std::rethrow_exception(refused);
   }

@@ -111,3 +111,51 @@ def test_first_call_inside_inference_mode_then_versions_still_bump():
         "assert all(t._version == 1 for t in e), [t._version for t in e][:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_bad_pair_before_a_subclass_still_reaches_the_subclass(device):
+    """The fast path checks pairs while it unpacks: a refused pair must not hide a subclass
+    further down the list, whose __torch_function__ decides first on the dispatcher's road."""
+    ema, src = lists(device, 4)
+    ema[0] = torch.randint(0, 5, (100,), device=device)  # an integer EMA: refused
+    src[3] = src[3].as_subclass(Tagged)
+    before = [e.clone() for e in ema]
+    assert _C._lerp_eager(ema, src, 0.5) is False
+    Tagged.seen = 0
+    with pytest.raises(ValueError, match=r"ema\[0\] has dtype int64"):
+        fused_ema.lerp_(ema, src, 0.5)
+    assert Tagged.seen > 0
+    assert all(torch.equal(a, b) for a, b in zip(ema, before))
+
+
+@pytest.mark.parametrize("road", ["fast path", "dispatcher"])
+def test_a_bad_weight_is_reported_before_a_bad_pair(device, road):
+    ema, src = lists(device)
+    src[1] = torch.randn(7, device=device)  # a shape mismatch at index 1
+    call = _C._lerp_eager if road == "fast path" else torch.ops.fused_ema.lerp_.default
+    with pytest.raises(ValueError, match="weight must be finite"):
+        call(ema, src, float("nan"))
+    with pytest.raises(ValueError, match=r"src\[1\] has shape \[7\]"):
+        call(ema, src, 0.5)
+
+
+@pytest.mark.parametrize("count", [3000, 5001])
+def test_long_lists_give_foreach_bits_and_bump_versions_once(count):
+    """Past 2,048 tensors the pass prefetches ahead in stages: every tensor still counts once,
+    mixed sizes and a Parameter included, and a bad pair near the end is still named."""
+    gen = torch.Generator().manual_seed(count)
+    sizes = torch.randint(1, 70, (count,), generator=gen).tolist()
+    src = [torch.randn(n, generator=gen) for n in sizes]
+    src[count // 2] = torch.nn.Parameter(src[count // 2])
+    ema = [torch.randn(n, generator=gen) for n in sizes]
+    expected = [e.clone() for e in ema]
+    with torch.no_grad():
+        torch._foreach_lerp_(expected, [s.detach() for s in src], 0.125)
+    assert _C._lerp_eager(ema, src, 0.125) is True
+    assert all(torch.equal(a, b) for a, b in zip(ema, expected))
+    assert all(t._version == 1 for t in ema)
+    src[-3] = torch.randn(sizes[-3] + 1, generator=gen)
+    with pytest.raises(ValueError, match=rf"src\[{count - 3}\] has shape"):
+        _C._lerp_eager(ema, src, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(ema, expected))
+    assert all(t._version == 1 for t in ema)

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "../lerp_op.h"
@@ -24,14 +25,24 @@ constexpr size_t kPrefetchPairs = 32;
 // Bytes of a pair's data prefetched by hand; past them the hardware prefetcher follows the stream.
 constexpr int64_t kPrefetchBytes = 512;
 
+// Every line of [p, p + bytes), for bytes > 0.
+template <int kWrite>
+[[gnu::always_inline]] inline void prefetch_range(const void* p, int64_t bytes) {
+  const auto first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const auto last = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes) - 1;
+  for (uintptr_t line = first; line <= last; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), kWrite);
+  }
+}
+
 // Every line of the first kPrefetchBytes of a pair's ema and src (a tiny tensor's data is several
 // lines, each a miss when only the first was prefetched).
 [[gnu::always_inline]] inline void prefetch_data(const FlatPair& pair) {
   const PairInfo& info = kPairs[static_cast<int>(pair.kind)];
   const auto ema_bytes = static_cast<int64_t>(c10::elementSize(info.ema)) * pair.numel;
   const auto src_bytes = static_cast<int64_t>(c10::elementSize(info.src)) * pair.numel;
-  prefetch_bytes(pair.ema, std::min(ema_bytes, kPrefetchBytes), /*write=*/1);
-  prefetch_bytes(pair.src, std::min(src_bytes, kPrefetchBytes));
+  prefetch_range<1>(pair.ema, std::min(ema_bytes, kPrefetchBytes));
+  prefetch_range<0>(pair.src, std::min(src_bytes, kPrefetchBytes));
 }
 
 // Calls span(pair, begin, end) over every pair's elements: one flat range that a single
