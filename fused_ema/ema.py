@@ -12,43 +12,28 @@ the EMA (tensors, step, schedule) and the model as they were.
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 import weakref
-from collections import OrderedDict
 from typing import Union
 
 import torch
 from torch import nn
 
-from . import _compiled, _nested_state
+from . import _compiled
 from ._async import AsyncRunner
 from ._attach import attach
 from ._binding import Binding
-from ._dtensor import gather_full, reshard_fsdp
+from ._dtensor import reshard_fsdp
+from ._ema_state import EmaState, rounding_seed
 from ._model_walk import tensor_walk, unwrap_model
-from ._name_filters import name_filters
+from ._options import resolve_options
 from ._placement import move, parse_to
 from ._plan import UpdatePlan
-from ._schedule import (
-    Schedule,
-    check_options,
-    check_rounding,
-    options_from_state,
-    rounding_from_state,
-)
-from ._shard import resolve
+from ._schedule import Schedule
 from ._stats import ema_stats
 from ._swap import Swap, check_writable, copy_all
-from ._tracking import EntryPolicy
-from .checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
-from .errors import CheckpointError, PrecisionWarning
+from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
-
-BUFFER_MODES = ("average", "copy", "ignore")
-MISMATCH_MODES = ("error", "resync")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 Device = Union[str, torch.device, None]
 
@@ -132,38 +117,34 @@ class ModelEma(nn.Module):
     ):
         super().__init__()
         self.training = False  # the EMA module evaluates: eval mode until ema.train()
-        if use_warmup is not None:
-            if warmup is not False:
-                raise ValueError(
-                    f"give either warmup={warmup!r} or timm's use_warmup={use_warmup!r}, not both"
-                )
-            warmup = (warmup_gamma, warmup_power) if use_warmup else False
-        if exclude_buffers:
-            if buffers == "ignore":
-                raise ValueError(
-                    "exclude_buffers=True copies buffers, buffers='ignore' leaves them out: "
-                    "give one of them"
-                )
-            buffers = "copy"
-        if buffers not in BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
-        if on_mismatch not in MISMATCH_MODES:
-            raise ValueError(f"on_mismatch must be one of {MISMATCH_MODES}, got {on_mismatch!r}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-        options = check_options(
-            decay, min_decay, warmup, update_after_step, update_every, update_every_decay
+        names = (copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names)
+        options = resolve_options(
+            decay,
+            min_decay,
+            update_after_step,
+            use_warmup,
+            warmup_gamma,
+            warmup_power,
+            device,
+            dtype,
+            stochastic_rounding,
+            stochastic_rounding_seed,
+            exclude_buffers,
+            buffers=buffers,
+            warmup=warmup,
+            update_every=update_every,
+            on_mismatch=on_mismatch,
+            shard=shard,
+            update_every_decay=update_every_decay,
+            names=names,
         )
-        self._rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
-        names = name_filters(
-            copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names
-        )
-        where = torch.device(device) if device is not None else None
-        policy = EntryPolicy(where, dtype, buffers, *names, resolve(shard))
         self._init_transient()
-        self._binding = Binding(self, unwrap_model(model), policy, on_mismatch, self._seed())
-        self._schedule = Schedule(options, self._binding.schedule_device())
-        self._warn_precision()
+        seed = rounding_seed(options.rounding)
+        model = unwrap_model(model)
+        self._binding = Binding(self, model, options.policy, options.on_mismatch, seed)
+        self._schedule = Schedule(options.schedule, self._binding.schedule_device())
+        self._state = EmaState(self._binding, self._schedule, options.rounding)
+        self._state.warn_precision()
 
     def _init_transient(self) -> None:
         """The state no copy or pickle carries: rebuilt from the rest when needed."""
@@ -234,10 +215,6 @@ class ModelEma(nn.Module):
     @property
     def on_mismatch(self) -> str:
         return self._binding.on_mismatch
-
-    def _seed(self):
-        rounding = self._rounding
-        return rounding["stochastic_rounding_seed"] if rounding["stochastic_rounding"] else None
 
     def names(self) -> list[str]:
         """Every tracked name, tied weights under each of their names."""
@@ -336,7 +313,7 @@ class ModelEma(nn.Module):
         removed ones go."""
         self._ready("resync")
         self._binding.resync(self, unwrap_model(model), self._schedule)
-        self._warn_precision()
+        self._state.warn_precision()
 
     def set(self, model: nn.Module) -> None:
         """timm ModelEmaV3.set: copies the model's current weights into the EMA (cast to its
@@ -379,7 +356,7 @@ class ModelEma(nn.Module):
         self._ready("to")
         move(self, self._binding, self._schedule, device, dtype, non_blocking)
         if dtype is not None:
-            self._warn_precision()
+            self._state.warn_precision()
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> ModelEma:
@@ -480,26 +457,7 @@ class ModelEma(nn.Module):
         if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         self._ready("state_dict")
-        weights = {name: e.ema.detach() for e in self._binding.table.entries for name in e.names}
-        own = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "weights": weights,
-            "step": self._schedule.step.detach(),
-            "schedule": self.schedule,
-            "rounding": dict(self._rounding),
-            "buffers": self.buffer_mode,
-            "filters": self._binding.policy.filters(),
-        }
-        if destination is None and not prefix:
-            return own
-        if destination is None:
-            destination = OrderedDict()
-            destination._metadata = OrderedDict()
-        if keep_vars:
-            own["weights"] = {n: e.ema for e in self._binding.table.entries for n in e.names}
-        _nested_state.write(own, destination, prefix, keep_vars, self._version)
-        return destination
+        return self._state.state_dict(destination, prefix, keep_vars, self._version)
 
     def load_state_dict(
         self, state, strict: bool = True, assign: bool = False, *, step=None
@@ -520,69 +478,16 @@ class ModelEma(nn.Module):
         update averages.
         """
         self._ready("load_state_dict")
-        step = None if step is None else self._schedule.as_value(step)
-        source = "checkpoint"
-        if isinstance(state, (str, os.PathLike)):
-            source = f"checkpoint file {os.fspath(state)!r}"
-            try:
-                state = read_file(state)
-            except Exception as err:
-                raise CheckpointError(
-                    [f"could not read it: {type(err).__name__}: {err}"], source
-                ) from err
-        prepared = self._prepare_load(state, strict, source, step)
-        self._apply_load(*prepared)
-        return prepared[0].result
-
-    def _prepare_load(self, state, strict: bool, source: str, step=None):
-        """Everything a load checks and converts, before any write: (prepared, rounding)."""
-        prepared = prepare_load(
-            self._binding.table,
-            state,
-            strict,
-            source,
-            options_from_state,
-            self._binding.policy,
-            step,
-            self._schedule.options,
-        )
-        rounding = None
-        if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:
-            try:
-                rounding = rounding_from_state(state["rounding"])
-            except (TypeError, ValueError) as err:
-                raise CheckpointError([f"rounding: {err}"], source) from err
-        return prepared, rounding
-
-    def _apply_load(self, prepared, rounding) -> None:
-        with torch.no_grad():
-            copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
-            self._schedule.load(prepared.options, prepared.step)
-        if rounding is not None:
-            self._rounding = rounding
-            self._binding.set_seed(self._seed())
-        self._warn_precision()
+        return self._state.apply(*self._state.prepare(state, strict, step))
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
-        """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing;
-        problems go to the parent's lists (it raises for them, or returns them if not strict)."""
+        """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing."""
         self._ready("load_state_dict")
-        own, missing, unexpected = _nested_state.read(state_dict, prefix, local_metadata)
-        missing_keys.extend(missing)
-        unexpected_keys.extend(unexpected)
-        prepared = _nested_state.report(
-            lambda own: self._prepare_load(own, False, prefix[:-1] or "the state dict"),
-            self._binding.table,
-            own,
-            prefix,
-            missing_keys,
-            unexpected_keys,
-            errors,
+        self._state.load_nested(
+            state_dict, prefix, local_metadata, missing_keys, unexpected_keys, errors
         )
-        if prepared is not None and not missing and not unexpected:
-            self._apply_load(*prepared)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -606,25 +511,7 @@ class ModelEma(nn.Module):
         every rank must call this. With `rank`, only that rank keeps the result and the others get
         {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
         self._ready("full_state_dict")
-        shard = self._binding.policy.shard is not None
-        return gather_full(self._binding.table.entries, rank, cpu_offload, shard)
-
-    def _warn_precision(self) -> None:
-        low = {
-            str(e.ema.dtype)
-            for e in self._binding.table.entries
-            if e.average and e.ema.dtype in _LOW_PRECISION
-        }
-        if low and self.decay > 0.99 and not self._rounding["stochastic_rounding"]:
-            warnings.warn(
-                f"fused_ema: a {', '.join(sorted(low))} EMA with decay {self.decay} loses most "
-                f"updates to rounding: a step moves a weight by {1 - self.decay:.0e} of its "
-                "distance to the model, below half an ulp of a 16-bit float for most entries, so "
-                "they stop moving. Keep stochastic_rounding=True (the default), keep the EMA in "
-                "float32 (dtype=None does that even for a 16-bit model) or lower the decay.",
-                PrecisionWarning,
-                stacklevel=3,
-            )
+        return self._state.full_state_dict(rank, cpu_offload)
 
     # ------------------------------------------------------------------ copies and pickling
 
