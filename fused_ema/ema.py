@@ -19,10 +19,8 @@ import torch
 from torch import nn
 
 from . import _compiled
-from ._async import AsyncRunner
 from ._attach import attach
 from ._binding import Binding
-from ._dtensor import reshard_fsdp
 from ._ema_state import EmaState, rounding_seed
 from ._model_walk import tensor_walk, unwrap_model
 from ._options import resolve_options
@@ -30,7 +28,8 @@ from ._placement import move, parse_to
 from ._plan import UpdatePlan
 from ._schedule import Schedule
 from ._stats import ema_stats
-from ._swap import Swap, check_writable, copy_all
+from ._swap import check_writable, copy_all
+from ._updater import Updater
 from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
@@ -138,19 +137,17 @@ class ModelEma(nn.Module):
             update_every_decay=update_every_decay,
             names=names,
         )
-        self._init_transient()
         seed = rounding_seed(options.rounding)
         model = unwrap_model(model)
         self._binding = Binding(self, model, options.policy, options.on_mismatch, seed)
         self._schedule = Schedule(options.schedule, self._binding.schedule_device())
         self._state = EmaState(self._binding, self._schedule, options.rounding)
+        self._init_transient()
         self._state.warn_precision()
 
     def _init_transient(self) -> None:
         """The state no copy or pickle carries: rebuilt from the rest when needed."""
-        self._runner = AsyncRunner()
-        self._pending_plan: UpdatePlan | None = None
-        self._swapped = False
+        self._updater = Updater(self._binding, self._schedule)
         self._key = _compiled.register(self)
         self._hooks = weakref.WeakSet()  # attach(): the optimizer hooks still registered
 
@@ -245,7 +242,7 @@ class ModelEma(nn.Module):
             torch.ops.fused_ema.model_ema_update(step_state, walk, tensor_step, int_step, self._key)
             return
         self._ready("update")
-        self._update(unwrap_model(model), step, non_blocking)
+        self._updater.update(self, unwrap_model(model), step, non_blocking)
 
     def _update_from_trace(self, values: list, step) -> None:
         """The body of the op a compiled update calls: the same update, on the live model."""
@@ -253,59 +250,12 @@ class ModelEma(nn.Module):
         if model is None:
             raise RuntimeError("fused_ema: the model this EMA follows no longer exists")
         self._ready("update")
-        self._update(model, step, False, values)
-
-    def _update(self, model: nn.Module, step, non_blocking: bool, values=None) -> None:
-        step = self._schedule.check_step(step)
-        walk, names = self._binding.walk(model, non_blocking)
-        plan, undo = None, None
-        schedule = self._schedule
-        with torch.no_grad():
-            try:
-                plan, undo = self._binding.plan_for(
-                    self, model, walk, names, non_blocking, schedule
-                )
-                if values is not None and len(values) != len(walk):
-                    raise RuntimeError(
-                        "fused_ema: the compiled program walked another model structure"
-                    )
-                plan.forget_run()
-                schedule.begin(step)
-                schedule.note_capture()
-                if non_blocking:
-                    if plan.start(walk, schedule, self._runner):
-                        self._pending_plan = plan
-                        return  # synchronize() commits or rolls back
-                else:
-                    plan.run(walk, schedule, values)
-            except BaseException:
-                if plan is not None and plan.started():
-                    schedule.commit()  # it wrote, so it finished: only the error propagates
-                else:
-                    schedule.rollback()
-                    if undo is not None:
-                        undo()  # a resync that the failed update made is undone too
-                raise
-        schedule.commit()
+        self._updater.update(self, model, step, False, values)
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update still running, raising the error it ended with (the
         step then reads as before that update, which wrote nothing)."""
-        if not self._runner.busy:
-            return
-        try:
-            self._runner.wait()
-        except BaseException:
-            if self._runner.busy:
-                raise  # interrupted while waiting: the job still runs
-            plan, self._pending_plan = self._pending_plan, None
-            if plan is not None and not plan.started():
-                self._schedule.rollback()
-            else:
-                self._schedule.commit()
-            raise
-        self._pending_plan = None
-        self._schedule.commit()
+        self._updater.synchronize()
 
     def resync(self, model: nn.Module) -> None:
         """Follows the model's current tensors: each keeps its average under its current names
@@ -389,12 +339,7 @@ class ModelEma(nn.Module):
 
     def _ready(self, what: str) -> None:
         """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
-        self.synchronize()
-        if self._swapped:
-            raise RuntimeError(
-                f"ema.{what}() inside `with ema.swapped(model)`: the EMA tensors "
-                "hold the model's weights until the block ends"
-            )
+        self._updater.ready(what)
 
     # ------------------------------------------------------------------ using the average
 
@@ -408,12 +353,10 @@ class ModelEma(nn.Module):
         return self._binding.module_for(self)
 
     def _before_module_forward(self) -> None:
-        self.synchronize()
-        if self._swapped:
-            raise RuntimeError(
-                "ema.module(...) inside `with ema.swapped(model)`: the EMA tensors hold the "
-                "model's weights until the block ends; inside it, call the model itself"
-            )
+        self._updater.check(
+            "ema.module(...) inside `with ema.swapped(model)`: the EMA tensors hold the "
+            "model's weights until the block ends; inside it, call the model itself"
+        )
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
@@ -424,19 +367,8 @@ class ModelEma(nn.Module):
         device; others (a 16-bit model with a float32 EMA) have their values saved aside, which
         costs their size."""
         self._ready("swapped")
-        model = unwrap_model(model)
-        pairs = self._binding.pairs_with(model)
-        check_writable(pairs)
-        swap = Swap(pairs)
-        swap.swap_in()
-        self._swapped = True
-        try:
+        with self._updater.lend(unwrap_model(model)) as model:
             yield model
-        finally:
-            swap.swap_out()
-            # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's weights.
-            reshard_fsdp(model)
-            self._swapped = False
 
     def copy_to(self, model: nn.Module) -> None:
         """Writes the EMA weights into `model` (matched by name, cast to its dtypes/devices)."""
@@ -516,9 +448,7 @@ class ModelEma(nn.Module):
     # ------------------------------------------------------------------ copies and pickling
 
     def __getstate__(self) -> dict:
-        self.synchronize()
-        if self._swapped:
-            raise RuntimeError("a ModelEma cannot be copied or pickled inside ema.swapped()")
+        self._updater.check("a ModelEma cannot be copied or pickled inside ema.swapped()")
         return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:
@@ -537,4 +467,4 @@ class ModelEma(nn.Module):
         )
 
 
-_TRANSIENT = ("_runner", "_pending_plan", "_swapped", "_key", "_hooks")
+_TRANSIENT = ("_updater", "_key", "_hooks")
