@@ -11,6 +11,7 @@ import torch
 
 from ._async import AsyncRunner
 from ._dtensor import reshard_fsdp
+from ._model_walk import tensor_walk
 from ._swap import Swap, check_writable
 
 
@@ -67,6 +68,21 @@ class Updater:
                         undo()  # a resync that the failed update made is undone too
                 raise
         schedule.commit()
+
+    def trace(self, model, step, key: int) -> None:
+        """update() inside torch.compile: the traced program walks the model and calls the op
+        (see _compiled.py) whose body, update_traced(), runs the same update on the live model."""
+        walk = tensor_walk(model, self.binding.with_buffers)
+        tensor_step = step if isinstance(step, torch.Tensor) else None
+        int_step = None if isinstance(step, torch.Tensor) else step
+        torch.ops.fused_ema.model_ema_update(self.schedule.step, walk, tensor_step, int_step, key)
+
+    def update_traced(self, ema, values: list, step) -> None:
+        model = self.binding.model_ref()
+        if model is None:
+            raise RuntimeError("fused_ema: the model this EMA follows no longer exists")
+        self.ready("update")
+        self.update(ema, model, step, False, values)
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update still running, raising the error it ended with (the

@@ -22,9 +22,9 @@ from . import _compiled
 from ._attach import attach
 from ._binding import Binding
 from ._ema_state import EmaState, rounding_seed
-from ._model_walk import tensor_walk, unwrap_model
+from ._model_walk import unwrap_model
 from ._options import resolve_options
-from ._placement import move, parse_to
+from ._placement import cuda_device, move, parse_to
 from ._plan import UpdatePlan
 from ._schedule import Schedule
 from ._stats import ema_stats
@@ -235,22 +235,13 @@ class ModelEma(nn.Module):
         worker fails, the next call raises its error and the step is as before that update.
         """
         if torch.compiler.is_compiling():
-            walk = tensor_walk(unwrap_model(model), self._binding.with_buffers)
-            tensor_step = step if isinstance(step, torch.Tensor) else None
-            int_step = None if isinstance(step, torch.Tensor) else step
-            step_state = self._schedule.step
-            torch.ops.fused_ema.model_ema_update(step_state, walk, tensor_step, int_step, self._key)
-            return
+            return self._updater.trace(unwrap_model(model), step, self._key)
         self._ready("update")
         self._updater.update(self, unwrap_model(model), step, non_blocking)
 
     def _update_from_trace(self, values: list, step) -> None:
         """The body of the op a compiled update calls: the same update, on the live model."""
-        model = self._binding.model_ref()
-        if model is None:
-            raise RuntimeError("fused_ema: the model this EMA follows no longer exists")
-        self._ready("update")
-        self._updater.update(self, model, step, False, values)
+        self._updater.update_traced(self, values, step)
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update still running, raising the error it ended with (the
@@ -310,11 +301,7 @@ class ModelEma(nn.Module):
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> ModelEma:
-        if device is None:
-            device = torch.cuda.current_device()
-        if isinstance(device, int):
-            device = torch.device("cuda", device)
-        return self.to(device)
+        return self.to(cuda_device(device))
 
     def cpu(self) -> ModelEma:
         return self.to("cpu")
