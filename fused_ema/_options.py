@@ -25,29 +25,27 @@ class Options(NamedTuple):
 
 
 def resolve_options(
-    decay,
-    min_decay,
-    update_after_step,
-    use_warmup,
-    warmup_gamma,
-    warmup_power,
-    device,
-    dtype,
-    stochastic_rounding,
-    stochastic_rounding_seed,
-    exclude_buffers,
-    *,
-    buffers,
-    warmup,
-    update_every,
-    on_mismatch,
-    shard,
-    update_every_decay,
-    names: tuple,
+    warmup: tuple,
+    buffers: tuple,
+    schedule: tuple,
+    rounding: tuple,
+    policy: tuple,
+    on_mismatch: str,
 ) -> Options:
-    """ModelEma's arguments (timm's V3 ones in its order, then fused_ema's keywords; `names` are
-    copy_names, ignore_names and ema-pytorch's two spellings) as checked Options. Raises the
-    first problem found, naming the argument."""
+    """ModelEma's arguments, grouped by what they configure, as checked Options. Raises the
+    first problem found, naming the argument.
+
+    warmup: (warmup, use_warmup, warmup_gamma, warmup_power), fused_ema's and timm V3's spellings
+    buffers: (buffers, exclude_buffers), likewise
+    schedule: (decay, min_decay, update_after_step, update_every, update_every_decay)
+    rounding: (stochastic_rounding, stochastic_rounding_seed)
+    policy: (device, dtype, names, shard), names being copy_names, ignore_names and
+        ema-pytorch's two spellings
+    """
+    warmup, use_warmup, warmup_gamma, warmup_power = warmup
+    buffers, exclude_buffers = buffers
+    decay, min_decay, update_after_step, update_every, update_every_decay = schedule
+    device, dtype, names, shard = policy
     if use_warmup is not None:
         if warmup is not False:
             raise ValueError(
@@ -67,11 +65,11 @@ def resolve_options(
         raise ValueError(f"on_mismatch must be one of {MISMATCH_MODES}, got {on_mismatch!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    schedule = check_options(
+    options = check_options(
         decay, min_decay, warmup, update_after_step, update_every, update_every_decay
     )
-    rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
+    checked_rounding = check_rounding(*rounding)
     filters = name_filters(*names)
     where = torch.device(device) if device is not None else None
-    policy = EntryPolicy(where, dtype, buffers, *filters, resolve(shard))
-    return Options(schedule, rounding, policy, on_mismatch)
+    entry_policy = EntryPolicy(where, dtype, buffers, *filters, resolve(shard))
+    return Options(options, checked_rounding, entry_policy, on_mismatch)

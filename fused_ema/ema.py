@@ -1,12 +1,14 @@
 """ModelEma: a device-safe, fused exponential moving average of a model's weights.
 
-The public façade. The parts that own state live beside it: the schedule (_schedule.py), the
-entries and how a model is matched to them (_tracking.py, with _model_walk.py and
-_name_filters.py), the update plan that every mode runs (_plan.py, with _async.py for
+The public façade. The parts that own state live beside it: the constructor's options
+(_options.py), the schedule (_schedule.py), the entries and how a model is matched to them
+(_tracking.py, with _model_walk.py and _name_filters.py), the update transaction and what is in
+flight (_updater.py) over the plan that every mode runs (_plan.py, with _async.py for
 non_blocking and _compiled.py for torch.compile), the evaluation views (_module_view.py,
-_swap.py), checkpoints (checkpoint.py, and _nested_state.py inside a parent module's state dict),
-ema.to() (_placement.py) and attach(optimizer) (_attach.py). Any public call that raises leaves
-the EMA (tensors, step, schedule) and the model as they were.
+_swap.py), checkpoints and the rounding setting they carry (_ema_state.py, over checkpoint.py's
+formats and _nested_state.py inside a parent module's state dict), ema.to() (_placement.py) and
+attach(optimizer) (_attach.py). Any public call that raises leaves the EMA (tensors, step,
+schedule) and the model as they were.
 """
 
 from __future__ import annotations
@@ -118,24 +120,12 @@ class ModelEma(nn.Module):
         self.training = False  # the EMA module evaluates: eval mode until ema.train()
         names = (copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names)
         options = resolve_options(
-            decay,
-            min_decay,
-            update_after_step,
-            use_warmup,
-            warmup_gamma,
-            warmup_power,
-            device,
-            dtype,
-            stochastic_rounding,
-            stochastic_rounding_seed,
-            exclude_buffers,
-            buffers=buffers,
-            warmup=warmup,
-            update_every=update_every,
+            warmup=(warmup, use_warmup, warmup_gamma, warmup_power),
+            buffers=(buffers, exclude_buffers),
+            schedule=(decay, min_decay, update_after_step, update_every, update_every_decay),
+            rounding=(stochastic_rounding, stochastic_rounding_seed),
+            policy=(device, dtype, names, shard),
             on_mismatch=on_mismatch,
-            shard=shard,
-            update_every_decay=update_every_decay,
-            names=names,
         )
         seed = rounding_seed(options.rounding)
         model = unwrap_model(model)
