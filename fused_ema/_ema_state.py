@@ -1,7 +1,7 @@
-"""ModelEma's checkpoints: state_dict() (its own, or flat keys in a parent module's),
-load_state_dict() (any format checkpoint.py reads, a file, a parent's state dict) and
-full_state_dict(), over the binding and schedule, with the rounding setting a checkpoint carries.
-A load is checked and converted whole before its first write: a failed one changes nothing."""
+"""ModelEma's checkpoints and the stochastic-rounding setting they carry: state_dict() (its own,
+or flat keys in a parent module's), load_state_dict() (any format checkpoint.py reads, a file, a
+parent's state dict), full_state_dict(), and the warning when that setting loses updates. A load
+is checked and converted whole before its first write, so a failed one changes nothing."""
 
 from __future__ import annotations
 
