@@ -1,54 +1,40 @@
 """ModelEma: a device-safe, fused exponential moving average of a model's weights.
 
-The public façade. The parts that own state live beside it: the schedule (_schedule.py), the
-entries and how a model is matched to them (_tracking.py, with _model_walk.py and
-_name_filters.py), the update plan that every mode runs (_plan.py, with _async.py for
+The public façade. The parts that own state live beside it: the constructor's options
+(_options.py), the schedule (_schedule.py), the entries and how a model is matched to them
+(_tracking.py, with _model_walk.py and _name_filters.py), the update transaction and what is in
+flight (_updater.py) over the plan that every mode runs (_plan.py, with _async.py for
 non_blocking and _compiled.py for torch.compile), the evaluation views (_module_view.py,
-_swap.py), checkpoints (checkpoint.py, and _nested_state.py inside a parent module's state dict),
-ema.to() (_placement.py) and attach(optimizer) (_attach.py). Any public call that raises leaves
-the EMA (tensors, step, schedule) and the model as they were.
+_swap.py), checkpoints and the rounding setting they carry (_ema_state.py, over checkpoint.py's
+formats and _nested_state.py inside a parent module's state dict), ema.to() (_placement.py) and
+attach(optimizer) (_attach.py). Any public call that raises leaves the EMA (tensors, step,
+schedule) and the model as they were.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 import weakref
-from collections import OrderedDict
 from typing import Union
 
 import torch
 from torch import nn
 
-from . import _compiled, _nested_state
-from ._async import AsyncRunner
+from . import _compiled
 from ._attach import attach
 from ._binding import Binding
-from ._dtensor import gather_full, reshard_fsdp
-from ._model_walk import tensor_walk, unwrap_model
-from ._name_filters import name_filters
-from ._placement import move, parse_to
+from ._ema_state import EmaState, rounding_seed
+from ._model_walk import unwrap_model
+from ._options import resolve_options
+from ._placement import cuda_device, move, parse_to
 from ._plan import UpdatePlan
-from ._schedule import (
-    Schedule,
-    check_options,
-    check_rounding,
-    options_from_state,
-    rounding_from_state,
-)
-from ._shard import resolve
+from ._schedule import Schedule
 from ._stats import ema_stats
-from ._swap import Swap, check_writable, copy_all
-from ._tracking import EntryPolicy
-from .checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
-from .errors import CheckpointError, PrecisionWarning
+from ._swap import check_writable, copy_all
+from ._updater import Updater
+from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
-
-BUFFER_MODES = ("average", "copy", "ignore")
-MISMATCH_MODES = ("error", "resync")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 Device = Union[str, torch.device, None]
 
@@ -132,44 +118,26 @@ class ModelEma(nn.Module):
     ):
         super().__init__()
         self.training = False  # the EMA module evaluates: eval mode until ema.train()
-        if use_warmup is not None:
-            if warmup is not False:
-                raise ValueError(
-                    f"give either warmup={warmup!r} or timm's use_warmup={use_warmup!r}, not both"
-                )
-            warmup = (warmup_gamma, warmup_power) if use_warmup else False
-        if exclude_buffers:
-            if buffers == "ignore":
-                raise ValueError(
-                    "exclude_buffers=True copies buffers, buffers='ignore' leaves them out: "
-                    "give one of them"
-                )
-            buffers = "copy"
-        if buffers not in BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
-        if on_mismatch not in MISMATCH_MODES:
-            raise ValueError(f"on_mismatch must be one of {MISMATCH_MODES}, got {on_mismatch!r}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-        options = check_options(
-            decay, min_decay, warmup, update_after_step, update_every, update_every_decay
+        names = (copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names)
+        options = resolve_options(
+            warmup=(warmup, use_warmup, warmup_gamma, warmup_power),
+            buffers=(buffers, exclude_buffers),
+            schedule=(decay, min_decay, update_after_step, update_every, update_every_decay),
+            rounding=(stochastic_rounding, stochastic_rounding_seed),
+            policy=(device, dtype, names, shard),
+            on_mismatch=on_mismatch,
         )
-        self._rounding = check_rounding(stochastic_rounding, stochastic_rounding_seed)
-        names = name_filters(
-            copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names
-        )
-        where = torch.device(device) if device is not None else None
-        policy = EntryPolicy(where, dtype, buffers, *names, resolve(shard))
+        seed = rounding_seed(options.rounding)
+        model = unwrap_model(model)
+        self._binding = Binding(self, model, options.policy, options.on_mismatch, seed)
+        self._schedule = Schedule(options.schedule, self._binding.schedule_device())
+        self._state = EmaState(self._binding, self._schedule, options.rounding)
         self._init_transient()
-        self._binding = Binding(self, unwrap_model(model), policy, on_mismatch, self._seed())
-        self._schedule = Schedule(options, self._binding.schedule_device())
-        self._warn_precision()
+        self._state.warn_precision()
 
     def _init_transient(self) -> None:
         """The state no copy or pickle carries: rebuilt from the rest when needed."""
-        self._runner = AsyncRunner()
-        self._pending_plan: UpdatePlan | None = None
-        self._swapped = False
+        self._updater = Updater(self._binding, self._schedule)
         self._key = _compiled.register(self)
         self._hooks = weakref.WeakSet()  # attach(): the optimizer hooks still registered
 
@@ -235,10 +203,6 @@ class ModelEma(nn.Module):
     def on_mismatch(self) -> str:
         return self._binding.on_mismatch
 
-    def _seed(self):
-        rounding = self._rounding
-        return rounding["stochastic_rounding_seed"] if rounding["stochastic_rounding"] else None
-
     def names(self) -> list[str]:
         """Every tracked name, tied weights under each of their names."""
         return self._binding.table.names()
@@ -261,74 +225,18 @@ class ModelEma(nn.Module):
         worker fails, the next call raises its error and the step is as before that update.
         """
         if torch.compiler.is_compiling():
-            walk = tensor_walk(unwrap_model(model), self._binding.with_buffers)
-            tensor_step = step if isinstance(step, torch.Tensor) else None
-            int_step = None if isinstance(step, torch.Tensor) else step
-            step_state = self._schedule.step
-            torch.ops.fused_ema.model_ema_update(step_state, walk, tensor_step, int_step, self._key)
-            return
+            return self._updater.trace(unwrap_model(model), step, self._key)
         self._ready("update")
-        self._update(unwrap_model(model), step, non_blocking)
+        self._updater.update(self, unwrap_model(model), step, non_blocking)
 
     def _update_from_trace(self, values: list, step) -> None:
         """The body of the op a compiled update calls: the same update, on the live model."""
-        model = self._binding.model_ref()
-        if model is None:
-            raise RuntimeError("fused_ema: the model this EMA follows no longer exists")
-        self._ready("update")
-        self._update(model, step, False, values)
-
-    def _update(self, model: nn.Module, step, non_blocking: bool, values=None) -> None:
-        step = self._schedule.check_step(step)
-        walk, names = self._binding.walk(model, non_blocking)
-        plan, undo = None, None
-        schedule = self._schedule
-        with torch.no_grad():
-            try:
-                plan, undo = self._binding.plan_for(
-                    self, model, walk, names, non_blocking, schedule
-                )
-                if values is not None and len(values) != len(walk):
-                    raise RuntimeError(
-                        "fused_ema: the compiled program walked another model structure"
-                    )
-                plan.forget_run()
-                schedule.begin(step)
-                schedule.note_capture()
-                if non_blocking:
-                    if plan.start(walk, schedule, self._runner):
-                        self._pending_plan = plan
-                        return  # synchronize() commits or rolls back
-                else:
-                    plan.run(walk, schedule, values)
-            except BaseException:
-                if plan is not None and plan.started():
-                    schedule.commit()  # it wrote, so it finished: only the error propagates
-                else:
-                    schedule.rollback()
-                    if undo is not None:
-                        undo()  # a resync that the failed update made is undone too
-                raise
-        schedule.commit()
+        self._updater.update_traced(self, values, step)
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update still running, raising the error it ended with (the
         step then reads as before that update, which wrote nothing)."""
-        if not self._runner.busy:
-            return
-        try:
-            self._runner.wait()
-        except BaseException:
-            if self._runner.busy:
-                raise  # interrupted while waiting: the job still runs
-            plan, self._pending_plan = self._pending_plan, None
-            if plan is not None and not plan.started():
-                self._schedule.rollback()
-            else:
-                self._schedule.commit()
-            raise
-        self._pending_plan = None
-        self._schedule.commit()
+        self._updater.synchronize()
 
     def resync(self, model: nn.Module) -> None:
         """Follows the model's current tensors: each keeps its average under its current names
@@ -336,7 +244,7 @@ class ModelEma(nn.Module):
         removed ones go."""
         self._ready("resync")
         self._binding.resync(self, unwrap_model(model), self._schedule)
-        self._warn_precision()
+        self._state.warn_precision()
 
     def set(self, model: nn.Module) -> None:
         """timm ModelEmaV3.set: copies the model's current weights into the EMA (cast to its
@@ -379,15 +287,11 @@ class ModelEma(nn.Module):
         self._ready("to")
         move(self, self._binding, self._schedule, device, dtype, non_blocking)
         if dtype is not None:
-            self._warn_precision()
+            self._state.warn_precision()
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> ModelEma:
-        if device is None:
-            device = torch.cuda.current_device()
-        if isinstance(device, int):
-            device = torch.device("cuda", device)
-        return self.to(device)
+        return self.to(cuda_device(device))
 
     def cpu(self) -> ModelEma:
         return self.to("cpu")
@@ -412,12 +316,7 @@ class ModelEma(nn.Module):
 
     def _ready(self, what: str) -> None:
         """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
-        self.synchronize()
-        if self._swapped:
-            raise RuntimeError(
-                f"ema.{what}() inside `with ema.swapped(model)`: the EMA tensors "
-                "hold the model's weights until the block ends"
-            )
+        self._updater.ready(what)
 
     # ------------------------------------------------------------------ using the average
 
@@ -431,12 +330,10 @@ class ModelEma(nn.Module):
         return self._binding.module_for(self)
 
     def _before_module_forward(self) -> None:
-        self.synchronize()
-        if self._swapped:
-            raise RuntimeError(
-                "ema.module(...) inside `with ema.swapped(model)`: the EMA tensors hold the "
-                "model's weights until the block ends; inside it, call the model itself"
-            )
+        self._updater.check(
+            "ema.module(...) inside `with ema.swapped(model)`: the EMA tensors hold the "
+            "model's weights until the block ends; inside it, call the model itself"
+        )
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
@@ -447,19 +344,8 @@ class ModelEma(nn.Module):
         device; others (a 16-bit model with a float32 EMA) have their values saved aside, which
         costs their size."""
         self._ready("swapped")
-        model = unwrap_model(model)
-        pairs = self._binding.pairs_with(model)
-        check_writable(pairs)
-        swap = Swap(pairs)
-        swap.swap_in()
-        self._swapped = True
-        try:
+        with self._updater.lend(unwrap_model(model)) as model:
             yield model
-        finally:
-            swap.swap_out()
-            # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's weights.
-            reshard_fsdp(model)
-            self._swapped = False
 
     def copy_to(self, model: nn.Module) -> None:
         """Writes the EMA weights into `model` (matched by name, cast to its dtypes/devices)."""
@@ -480,26 +366,7 @@ class ModelEma(nn.Module):
         if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         self._ready("state_dict")
-        weights = {name: e.ema.detach() for e in self._binding.table.entries for name in e.names}
-        own = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "weights": weights,
-            "step": self._schedule.step.detach(),
-            "schedule": self.schedule,
-            "rounding": dict(self._rounding),
-            "buffers": self.buffer_mode,
-            "filters": self._binding.policy.filters(),
-        }
-        if destination is None and not prefix:
-            return own
-        if destination is None:
-            destination = OrderedDict()
-            destination._metadata = OrderedDict()
-        if keep_vars:
-            own["weights"] = {n: e.ema for e in self._binding.table.entries for n in e.names}
-        _nested_state.write(own, destination, prefix, keep_vars, self._version)
-        return destination
+        return self._state.state_dict(destination, prefix, keep_vars, self._version)
 
     def load_state_dict(
         self, state, strict: bool = True, assign: bool = False, *, step=None
@@ -520,69 +387,16 @@ class ModelEma(nn.Module):
         update averages.
         """
         self._ready("load_state_dict")
-        step = None if step is None else self._schedule.as_value(step)
-        source = "checkpoint"
-        if isinstance(state, (str, os.PathLike)):
-            source = f"checkpoint file {os.fspath(state)!r}"
-            try:
-                state = read_file(state)
-            except Exception as err:
-                raise CheckpointError(
-                    [f"could not read it: {type(err).__name__}: {err}"], source
-                ) from err
-        prepared = self._prepare_load(state, strict, source, step)
-        self._apply_load(*prepared)
-        return prepared[0].result
-
-    def _prepare_load(self, state, strict: bool, source: str, step=None):
-        """Everything a load checks and converts, before any write: (prepared, rounding)."""
-        prepared = prepare_load(
-            self._binding.table,
-            state,
-            strict,
-            source,
-            options_from_state,
-            self._binding.policy,
-            step,
-            self._schedule.options,
-        )
-        rounding = None
-        if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:
-            try:
-                rounding = rounding_from_state(state["rounding"])
-            except (TypeError, ValueError) as err:
-                raise CheckpointError([f"rounding: {err}"], source) from err
-        return prepared, rounding
-
-    def _apply_load(self, prepared, rounding) -> None:
-        with torch.no_grad():
-            copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
-            self._schedule.load(prepared.options, prepared.step)
-        if rounding is not None:
-            self._rounding = rounding
-            self._binding.set_seed(self._seed())
-        self._warn_precision()
+        return self._state.apply(*self._state.prepare(state, strict, step))
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
-        """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing;
-        problems go to the parent's lists (it raises for them, or returns them if not strict)."""
+        """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing."""
         self._ready("load_state_dict")
-        own, missing, unexpected = _nested_state.read(state_dict, prefix, local_metadata)
-        missing_keys.extend(missing)
-        unexpected_keys.extend(unexpected)
-        prepared = _nested_state.report(
-            lambda own: self._prepare_load(own, False, prefix[:-1] or "the state dict"),
-            self._binding.table,
-            own,
-            prefix,
-            missing_keys,
-            unexpected_keys,
-            errors,
+        self._state.load_nested(
+            state_dict, prefix, local_metadata, missing_keys, unexpected_keys, errors
         )
-        if prepared is not None and not missing and not unexpected:
-            self._apply_load(*prepared)
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -606,32 +420,12 @@ class ModelEma(nn.Module):
         every rank must call this. With `rank`, only that rank keeps the result and the others get
         {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
         self._ready("full_state_dict")
-        shard = self._binding.policy.shard is not None
-        return gather_full(self._binding.table.entries, rank, cpu_offload, shard)
-
-    def _warn_precision(self) -> None:
-        low = {
-            str(e.ema.dtype)
-            for e in self._binding.table.entries
-            if e.average and e.ema.dtype in _LOW_PRECISION
-        }
-        if low and self.decay > 0.99 and not self._rounding["stochastic_rounding"]:
-            warnings.warn(
-                f"fused_ema: a {', '.join(sorted(low))} EMA with decay {self.decay} loses most "
-                f"updates to rounding: a step moves a weight by {1 - self.decay:.0e} of its "
-                "distance to the model, below half an ulp of a 16-bit float for most entries, so "
-                "they stop moving. Keep stochastic_rounding=True (the default), keep the EMA in "
-                "float32 (dtype=None does that even for a 16-bit model) or lower the decay.",
-                PrecisionWarning,
-                stacklevel=3,
-            )
+        return self._state.full_state_dict(rank, cpu_offload)
 
     # ------------------------------------------------------------------ copies and pickling
 
     def __getstate__(self) -> dict:
-        self.synchronize()
-        if self._swapped:
-            raise RuntimeError("a ModelEma cannot be copied or pickled inside ema.swapped()")
+        self._updater.check("a ModelEma cannot be copied or pickled inside ema.swapped()")
         return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:
@@ -650,4 +444,4 @@ class ModelEma(nn.Module):
         )
 
 
-_TRANSIENT = ("_runner", "_pending_plan", "_swapped", "_key", "_hooks")
+_TRANSIENT = ("_updater", "_key", "_hooks")

@@ -123,7 +123,8 @@ def test_positional_arguments_mean_what_they_mean_for_v3():
         }
     )
     assert ours.device == torch.device("cpu") and ours.buffer_mode == "average"
-    assert ours._rounding == {"stochastic_rounding": True, "stochastic_rounding_seed": 7}
+    rounding = ours.state_dict()["rounding"]
+    assert rounding == {"stochastic_rounding": True, "stochastic_rounding_seed": 7}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
     g = torch.Generator().manual_seed(1)
     for step in range(1, 41):

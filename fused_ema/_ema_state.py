@@ -1,0 +1,148 @@
+"""ModelEma's checkpoints and the stochastic-rounding setting they carry: state_dict() (its own,
+or flat keys in a parent module's), load_state_dict() (any format checkpoint.py reads, a file, a
+parent's state dict), full_state_dict(), and the warning when that setting loses updates. A load
+is checked and converted whole before its first write, so a failed one changes nothing."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+
+import torch
+
+from . import _nested_state
+from ._dtensor import gather_full
+from ._schedule import options_from_state, rounding_from_state
+from ._swap import copy_all
+from .checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
+from .errors import CheckpointError, PrecisionWarning
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def rounding_seed(rounding: dict):
+    """The seed of stochastic rounding, or None when 16-bit EMA tensors round to nearest."""
+    return rounding["stochastic_rounding_seed"] if rounding["stochastic_rounding"] else None
+
+
+class EmaState:
+    """What a checkpoint holds of an EMA (the binding's tensors and filters, the schedule's step
+    and options, and the rounding setting, owned here), saved and restored."""
+
+    def __init__(self, binding, schedule, rounding: dict):
+        self.binding = binding
+        self.schedule = schedule
+        self.rounding = rounding
+
+    # ------------------------------------------------------------------ saving
+
+    def state_dict(self, destination, prefix: str, keep_vars: bool, version):
+        """ModelEma.state_dict(): its own dict, or flat keys in `destination` under `prefix`."""
+        entries = self.binding.table.entries
+        own = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "weights": {name: e.ema.detach() for e in entries for name in e.names},
+            "step": self.schedule.step.detach(),
+            "schedule": dict(self.schedule.options),
+            "rounding": dict(self.rounding),
+            "buffers": self.binding.policy.buffers,
+            "filters": self.binding.policy.filters(),
+        }
+        if destination is None and not prefix:
+            return own
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        if keep_vars:
+            own["weights"] = {n: e.ema for e in entries for n in e.names}
+        _nested_state.write(own, destination, prefix, keep_vars, version)
+        return destination
+
+    def full_state_dict(self, rank: int | None, cpu_offload: bool) -> dict:
+        shard = self.binding.policy.shard is not None
+        return gather_full(self.binding.table.entries, rank, cpu_offload, shard)
+
+    # ------------------------------------------------------------------ loading
+
+    def prepare(self, state, strict: bool, step=None, source: str = "checkpoint"):
+        """Everything load_state_dict checks, reads and converts, before any write: `state` may
+        be a file path; `step` overrides the checkpoint's. Returns (prepared, rounding)."""
+        step = None if step is None else self.schedule.as_value(step)
+        if isinstance(state, (str, os.PathLike)):
+            source = f"checkpoint file {os.fspath(state)!r}"
+            try:
+                state = read_file(state)
+            except Exception as err:
+                raise CheckpointError(
+                    [f"could not read it: {type(err).__name__}: {err}"], source
+                ) from err
+        prepared = prepare_load(
+            self.binding.table,
+            state,
+            strict,
+            source,
+            options_from_state,
+            self.binding.policy,
+            step,
+            self.schedule.options,
+        )
+        rounding = None
+        if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:
+            try:
+                rounding = rounding_from_state(state["rounding"])
+            except (TypeError, ValueError) as err:
+                raise CheckpointError([f"rounding: {err}"], source) from err
+        return prepared, rounding
+
+    def apply(self, prepared, rounding) -> LoadResult:
+        """Writes what prepare() made; nothing here can fail on the checkpoint's data."""
+        with torch.no_grad():
+            copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
+            self.schedule.load(prepared.options, prepared.step)
+        if rounding is not None:
+            self.rounding = rounding
+            self.binding.set_seed(rounding_seed(rounding))
+        self.warn_precision()
+        return prepared.result
+
+    def load_nested(self, state_dict, prefix, metadata, missing_keys, unexpected_keys, errors):
+        """A parent module's load_state_dict(): the keys under `prefix`, all or nothing;
+        problems go to the parent's lists (it raises for them, or returns them if not strict)."""
+        own, missing, unexpected = _nested_state.read(state_dict, prefix, metadata)
+        missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
+        prepared = _nested_state.report(
+            lambda own: self.prepare(own, False, source=prefix[:-1] or "the state dict"),
+            self.binding.table,
+            own,
+            prefix,
+            missing_keys,
+            unexpected_keys,
+            errors,
+        )
+        if prepared is not None and not missing and not unexpected:
+            self.apply(*prepared)
+
+    # ------------------------------------------------------------------ the rounding setting
+
+    def warn_precision(self) -> None:
+        """A PrecisionWarning when 16-bit averaged tensors, a high decay and round-to-nearest
+        would lose most updates (raised at the caller of the ModelEma method that called this)."""
+        decay = self.schedule.options["decay"]
+        low = {
+            str(e.ema.dtype)
+            for e in self.binding.table.entries
+            if e.average and e.ema.dtype in _LOW_PRECISION
+        }
+        if low and decay > 0.99 and not self.rounding["stochastic_rounding"]:
+            warnings.warn(
+                f"fused_ema: a {', '.join(sorted(low))} EMA with decay {decay} loses most "
+                f"updates to rounding: a step moves a weight by {1 - decay:.0e} of its "
+                "distance to the model, below half an ulp of a 16-bit float for most entries, so "
+                "they stop moving. Keep stochastic_rounding=True (the default), keep the EMA in "
+                "float32 (dtype=None does that even for a 16-bit model) or lower the decay.",
+                PrecisionWarning,
+                stacklevel=3,
+            )

@@ -1,0 +1,75 @@
+"""ModelEma's constructor arguments, reconciled and checked before anything is built: timm
+ModelEmaV3's spellings (use_warmup=, exclude_buffers=) folded into fused_ema's (warmup=,
+buffers=), then each option validated in turn. Returns what the parts are made from."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._name_filters import name_filters
+from ._schedule import check_options, check_rounding
+from ._shard import resolve
+from ._tracking import EntryPolicy
+
+BUFFER_MODES = ("average", "copy", "ignore")
+MISMATCH_MODES = ("error", "resync")
+
+
+class Options(NamedTuple):
+    schedule: dict  # the Schedule's options
+    rounding: dict  # stochastic_rounding and stochastic_rounding_seed
+    policy: EntryPolicy
+    on_mismatch: str
+
+
+def resolve_options(
+    warmup: tuple,
+    buffers: tuple,
+    schedule: tuple,
+    rounding: tuple,
+    policy: tuple,
+    on_mismatch: str,
+) -> Options:
+    """ModelEma's arguments, grouped by what they configure, as checked Options. Raises the
+    first problem found, naming the argument.
+
+    warmup: (warmup, use_warmup, warmup_gamma, warmup_power), fused_ema's and timm V3's spellings
+    buffers: (buffers, exclude_buffers), likewise
+    schedule: (decay, min_decay, update_after_step, update_every, update_every_decay)
+    rounding: (stochastic_rounding, stochastic_rounding_seed)
+    policy: (device, dtype, names, shard), names being copy_names, ignore_names and
+        ema-pytorch's two spellings
+    """
+    warmup, use_warmup, warmup_gamma, warmup_power = warmup
+    buffers, exclude_buffers = buffers
+    decay, min_decay, update_after_step, update_every, update_every_decay = schedule
+    device, dtype, names, shard = policy
+    if use_warmup is not None:
+        if warmup is not False:
+            raise ValueError(
+                f"give either warmup={warmup!r} or timm's use_warmup={use_warmup!r}, not both"
+            )
+        warmup = (warmup_gamma, warmup_power) if use_warmup else False
+    if exclude_buffers:
+        if buffers == "ignore":
+            raise ValueError(
+                "exclude_buffers=True copies buffers, buffers='ignore' leaves them out: "
+                "give one of them"
+            )
+        buffers = "copy"
+    if buffers not in BUFFER_MODES:
+        raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
+    if on_mismatch not in MISMATCH_MODES:
+        raise ValueError(f"on_mismatch must be one of {MISMATCH_MODES}, got {on_mismatch!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    options = check_options(
+        decay, min_decay, warmup, update_after_step, update_every, update_every_decay
+    )
+    checked_rounding = check_rounding(*rounding)
+    filters = name_filters(*names)
+    where = torch.device(device) if device is not None else None
+    entry_policy = EntryPolicy(where, dtype, buffers, *filters, resolve(shard))
+    return Options(options, checked_rounding, entry_policy, on_mismatch)
