@@ -1,5 +1,7 @@
 """Host overhead per model tensor of an EMA update on tiny tensors (nn.Linear(8, 8) layers in
-nested containers, float32, CPU), where the cost is all bookkeeping: the fused kernel, foreach,
+nested containers, float32, CPU), where the cost is all bookkeeping: the fused kernel, the same
+call with weight 0 (its checks, plan and bookkeeping without the kernel), the same elements as
+one flat tensor (the kernel's memory traffic without any per-tensor work), foreach,
 ModelEma.update, and the check that the model still holds the planned tensors: the cached one an
 unchanged model takes (_C.walk_unchanged) and the full one a changed model falls back to
 (_C.tensor_walk + walk_matches + take). Medians of interleaved runs of this thread's CPU time, on
@@ -31,6 +33,8 @@ from .timing import summary
 DECAY = 0.999
 CONTENDERS = (
     "fused_ema.lerp_",
+    "lerp_ weight 0",
+    "one flat tensor",
     "torch._foreach_lerp_",
     "ModelEma.update",
     "cached walk check",
@@ -68,8 +72,16 @@ def steps(model: nn.Module) -> dict:
     def cached_check():
         assert _C.walk_unchanged(cache, model) is not None
 
+    flat_src = torch.cat([t.reshape(-1) for t in src])
+    flat_ema = torch.cat([t.reshape(-1) for t in ema])
+
     return {
         "fused_ema.lerp_": lambda: fused_ema.lerp_(ema, src, 1 - DECAY),
+        # Every check, the plan, the version bumps and the references, but no kernel: a zero
+        # weight leaves the EMA as it is without touching the data.
+        "lerp_ weight 0": lambda: fused_ema.lerp_(ema, src, 0.0),
+        # The kernel's memory traffic alone: the same elements as one tensor pair.
+        "one flat tensor": lambda: fused_ema.lerp_([flat_ema], [flat_src], 1 - DECAY),
         "torch._foreach_lerp_": lambda: torch._foreach_lerp_(ema, src, 1 - DECAY),
         "ModelEma.update": lambda: ema_model.update(model),
         "cached walk check": cached_check,
