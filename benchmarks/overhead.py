@@ -1,5 +1,6 @@
 """Host overhead per model tensor of an EMA update on tiny tensors (nn.Linear(8, 8) layers in
-nested containers, float32, CPU), where the cost is all bookkeeping: the fused kernel, the same
+nested containers, float32, CPU), where the cost is all bookkeeping: the fused kernel over the
+tensors ModelEma.update averages (its EMA tensors, the model's parameters), the same
 call with weight 0 (its checks, plan and bookkeeping without the kernel), the same elements as
 one flat tensor (the kernel's memory traffic without any per-tensor work), foreach,
 ModelEma.update, and the check that the model still holds the planned tensors: the cached one an
@@ -55,9 +56,12 @@ def build_model(tensors: int) -> nn.Module:
 
 
 def steps(model: nn.Module) -> dict:
-    src = [t.detach() for t in _C.tensor_walk(model, True) if t is not None]  # share storage
-    ema = [t.detach().clone() for t in src]
     ema_model = fused_ema.ModelEma(model, DECAY)
+    # The very tensors ModelEma.update averages: its EMA tensors and the model's parameters.
+    ema = list(ema_model.module.parameters())
+    src = list(model.parameters())
+    flat_ema = torch.cat([t.detach().reshape(-1) for t in ema])
+    flat_src = torch.cat([t.detach().reshape(-1) for t in src])
     walk = _C.tensor_walk(model, True)
     refs = tuple(None if t is None else weakref.ref(t) for t in walk)
     signature = _C.walk_signature(walk)
@@ -71,9 +75,6 @@ def steps(model: nn.Module) -> dict:
 
     def cached_check():
         assert _C.walk_unchanged(cache, model) is not None
-
-    flat_src = torch.cat([t.reshape(-1) for t in src])
-    flat_ema = torch.cat([t.reshape(-1) for t in ema])
 
     return {
         "fused_ema.lerp_": lambda: fused_ema.lerp_(ema, src, 1 - DECAY),
@@ -120,7 +121,8 @@ def measure(tensors: int, rounds: int, reps: int, on_round) -> dict:
     count = sum(1 for _ in model.parameters())
     inner = max(1, 4_000 // count)  # calls per sample: keeps timer overhead out of tiny calls
     timed = {name: repeated(fn, inner) for name, fn in steps(model).items()}
-    samples = cpu_interleaved(timed, rounds, reps, on_round)
+    with torch.no_grad():  # as ModelEma.update runs (foreach would record the model's grads)
+        samples = cpu_interleaved(timed, rounds, reps, on_round)
     row = {"tensors": count, "calls_per_sample": inner}
     for name, times in samples.items():
         stats = summary([t / inner for t in times])

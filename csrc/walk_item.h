@@ -57,9 +57,18 @@ inline bool item_matches(PyObject* item, const char*& cursor, const char* end, b
   }
   const size_t size_bytes = sizes.size() * sizeof(int64_t);
   if (static_cast<size_t>(end - cursor) < sizeof(header) + size_bytes ||
-      std::memcmp(cursor, &header, sizeof(header)) != 0 ||
-      (size_bytes > 0 && std::memcmp(cursor + sizeof(header), sizes.data(), size_bytes) != 0)) {
+      std::memcmp(cursor, &header, sizeof(header)) != 0) {
     return false;
+  }
+  // Sizes compared one by one: a memcmp of a length known only here is a library call, most of
+  // the cost of checking a tiny tensor.
+  const char* stored = cursor + sizeof(header);
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    int64_t size = 0;
+    std::memcpy(&size, stored + d * sizeof(int64_t), sizeof(size));
+    if (size != sizes[d]) {
+      return false;
+    }
   }
   cursor += sizeof(header) + size_bytes;
   return true;
