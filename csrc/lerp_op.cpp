@@ -88,23 +88,29 @@ LerpWeight checked_weight(const c10::Scalar& weight) {
   return {value, nullptr};
 }
 
+void check_runnable(const DevicePlan& plan, const LerpWeight& weight) {
+  check_runner(runners()[static_cast<size_t>(plan.device.type())], plan, weight, kOp);
+}
+
 void run_plans(const std::vector<DevicePlan>& plans, const LerpWeight& weight) {
   RECORD_FUNCTION("fused_ema::lerp_", std::vector<c10::IValue>());
   for (const DevicePlan& plan : plans) {
-    const DeviceRunner runner = runners()[static_cast<size_t>(plan.device.type())];
-    check_runner(runner, plan, weight, kOp);
-    runner(plan, weight);
+    runners()[static_cast<size_t>(plan.device.type())](plan, weight);
   }
 }
 
 void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight) {
   const LerpWeight checked = checked_weight(weight);
-  run_plans(plan_lerp(ema, src), checked);
+  run_plans(plan_lerp(ema, src, /*row_major=*/false,
+                      [&](const DevicePlan& plan) { check_runnable(plan, checked); }),
+            checked);
 }
 
 void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight) {
   const LerpWeight checked = checked_weight(weight);
-  run_plans(plan_lerp(ema, src), checked);
+  run_plans(plan_lerp(ema, src, /*row_major=*/false,
+                      [&](const DevicePlan& plan) { check_runnable(plan, checked); }),
+            checked);
 }
 
 // The checks of a tensor weight; a CPU one is read here (one number needs no trip through the
@@ -174,15 +180,16 @@ void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
     TORCH_CHECK_VALUE(offsets[i] <= INT64_MAX - ema[i]->numel(), kStochasticOp, "offsets[", i,
                       "] + ema[", i, "].numel() overflows int64");
   }
-  std::vector<DevicePlan> plans = plan_lerp(ema, src, /*row_major=*/true);
-  // Every device is checked before any is written.
-  for (const DevicePlan& plan : plans) {
-    check_runner(stochastic_runners()[static_cast<size_t>(plan.device.type())], plan, w,
-                 kStochasticOp);
-    TORCH_CHECK(rounding.step_tensor == nullptr || rounding.step_tensor->device() == plan.device,
-                kStochasticOp, "step is on ", step.device(), " but ema tensors are on ",
-                plan.device, "; pass the step on the EMA's device, on the CPU, or as an int");
-  }
+  // Every device is checked before anything is written (or a version moves).
+  const std::vector<DevicePlan> plans =
+      plan_lerp(ema, src, /*row_major=*/true, [&](const DevicePlan& plan) {
+        check_runner(stochastic_runners()[static_cast<size_t>(plan.device.type())], plan, w,
+                     kStochasticOp);
+        TORCH_CHECK(
+            rounding.step_tensor == nullptr || rounding.step_tensor->device() == plan.device,
+            kStochasticOp, "step is on ", step.device(), " but ema tensors are on ", plan.device,
+            "; pass the step on the EMA's device, on the CPU, or as an int");
+      });
   for (const DevicePlan& plan : plans) {
     stochastic_runners()[static_cast<size_t>(plan.device.type())](plan, w, rounding);
   }

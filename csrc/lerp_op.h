@@ -34,10 +34,12 @@ std::vector<std::string> devices_with_kernels();
 void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight);
 void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight);
 
-// The two halves of lerp for a caller that plans by itself (the Python fast path): the checks
-// of a weight, then the runs of the finished plans on their devices.
+// The parts of lerp for a caller that plans by itself (the Python fast path): the checks of a
+// weight, the check of each device's plan against it (for LerpPlanner::finish), then the runs
+// of the finished plans on their devices.
 LerpWeight checked_weight(const c10::Scalar& weight);
 LerpWeight checked_weight(const at::Tensor& weight);
+void check_runnable(const DevicePlan& plan, const LerpWeight& weight);
 void run_plans(const std::vector<DevicePlan>& plans, const LerpWeight& weight);
 
 // lerp_stochastic_'s rounding arguments as a runner receives them (../stochastic_round.h).

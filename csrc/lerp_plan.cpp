@@ -256,7 +256,7 @@ DevicePlan::~DevicePlan() {
   }
 }
 
-void DevicePlan::finish() const {
+void DevicePlan::write_back() const {
   for (const auto& [target, computed] : write_backs) {
     target.copy_(computed);
   }
@@ -328,11 +328,14 @@ void LerpPlanner::add(const at::Tensor& e, const at::Tensor& s) {
   }
 }
 
-std::vector<DevicePlan> LerpPlanner::finish() {
+std::vector<DevicePlan> LerpPlanner::finish(PlanCheck check) {
   TORCH_INTERNAL_ASSERT(next_ == count_);
   for (DeviceWork& w : work_) {
     w.plan.pairs.resize(w.pair_count);
     check_overlap_once(w.ema_ranges, w.src_ranges);
+  }
+  for (const DeviceWork& w : work_) {
+    check(w.plan);
   }
   // Every check has passed: only now may stand-ins be made and versions move.
   std::vector<DevicePlan> plans;
@@ -347,7 +350,7 @@ std::vector<DevicePlan> LerpPlanner::finish() {
   return plans;
 }
 
-std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major) {
+std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major, PlanCheck check) {
   TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
                     src.size());
   const size_t count = ema.size();
@@ -360,7 +363,7 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
     }
     planner.add(*ema[i], *src[i]);
   }
-  return planner.finish();
+  return planner.finish(check);
 }
 
 }  // namespace fused_ema

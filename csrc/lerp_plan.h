@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/FunctionRef.h>
 
 #include <cstdint>
 #include <utility>
@@ -42,7 +43,7 @@ struct DevicePlan {
   std::vector<std::pair<at::Tensor, at::Tensor>> write_backs;
 
   // Call after the kernels of this plan have been issued (stream order covers CUDA).
-  void finish() const;
+  void write_back() const;
 };
 
 // Prefetches every cache line that [p, p + kBytes) touches: the lines at p, p + 64, ... and the
@@ -113,6 +114,9 @@ struct Interval {
   bool operator==(const Interval& o) const { return lo == o.lo && hi == o.hi && index == o.index; }
 };
 
+// A check of a finished plan that may still refuse the call (throws).
+using PlanCheck = c10::function_ref<void(const DevicePlan&)>;
+
 // Checks (ema, src) pairs one at a time and flattens them into per-device plans; nothing is
 // written until finish(). One object serves the dispatcher's lists (plan_lerp) and the Python
 // fast path, which feeds it while unpacking its lists so that each tensor's metadata is fetched
@@ -130,9 +134,11 @@ class LerpPlanner {
   // its index if one is wrong.
   void add(const at::Tensor& e, const at::Tensor& s);
 
-  // Checks memory overlap; then (every check passed) makes the stand-ins and bumps the version
-  // counters of the ema tensors. Returns one plan per device, in order of appearance.
-  std::vector<DevicePlan> finish();
+  // Checks memory overlap and calls `check` on each device's plan (the caller's checks that need
+  // the devices: a kernel for it, the weight's device); then, every check passed, makes the
+  // stand-ins and bumps the version counters of the ema tensors. Returns one plan per device,
+  // in order of appearance.
+  std::vector<DevicePlan> finish(PlanCheck check);
 
  private:
   struct StandIn {
@@ -166,6 +172,6 @@ class LerpPlanner {
 };
 
 // The planner over two lists (the dispatcher's route), prefetching the metadata of long lists.
-std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major = false);
+std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major, PlanCheck check);
 
 }  // namespace fused_ema

@@ -174,7 +174,8 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
   }
   {
     pybind11::gil_scoped_release no_gil;
-    run_plans(planner.finish(), checked);
+    run_plans(planner.finish([&](const DevicePlan& plan) { check_runnable(plan, checked); }),
+              checked);
   }
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS

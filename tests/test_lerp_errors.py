@@ -31,12 +31,15 @@ def good_lists(device, count=4, n=257):
 
 
 def assert_rejected(lerp, ema, src, weight, error, match):
-    """The call raises `error` matching `match`, and leaves every ema tensor as it was."""
+    """The call raises `error` matching `match`, and leaves every ema tensor as it was, its
+    version counter included (autograd would see a bumped one as an in-place write)."""
     snapshot = [e.detach().clone() for e in ema]
+    versions = [None if e.is_inference() else e._version for e in ema]
     with pytest.raises(error, match=match):
         lerp(ema, src, weight)
     for i, (e, s) in enumerate(zip(ema, snapshot)):
         assert torch.equal(e, s), f"ema[{i}] changed although the call was rejected"
+    assert [None if e.is_inference() else e._version for e in ema] == versions
 
 
 def test_length_mismatch(lerp, device):

@@ -204,6 +204,21 @@ def test_bad_input_raises_and_writes_nothing(kwargs, error, match):
     with pytest.raises(error, match=match):
         fused_ema.lerp_stochastic_(ema, src, weight, **args)
     assert all(bool((e == 1).all()) for e in ema)
+    assert [e._version for e in ema] == [0, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("where", ["step", "weight"])
+def test_a_device_argument_for_another_device_is_refused_before_any_write(where):
+    ema = [torch.ones(3, dtype=torch.bfloat16), torch.ones(5, dtype=torch.bfloat16)]
+    src = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16)]
+    args = {"step": torch.tensor(1), "weight": torch.tensor(0.5)}
+    args[where] = args[where].cuda()
+    weight = args.pop("weight")
+    with pytest.raises(RuntimeError, match=rf"{where} is on cuda:0 but ema tensors are on cpu"):
+        fused_ema.lerp_stochastic_(ema, src, weight, seed=0, **args)
+    assert all(bool((e == 1).all()) for e in ema)
+    assert [e._version for e in ema] == [0, 0]
 
 
 def test_empty_list_is_a_no_op():

@@ -86,7 +86,7 @@ void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
       kernels.fn[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end, weight.value);
     });
   }
-  plan.finish();
+  plan.write_back();
 }
 
 void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
@@ -101,7 +101,7 @@ void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
       kernels.sr[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end, weight.value, stream);
     });
   }
-  plan.finish();
+  plan.write_back();
 }
 
 [[maybe_unused]] const bool kRegistered = register_device_runner(c10::DeviceType::CPU, &run_plan);

@@ -72,7 +72,7 @@ void run_plan(const DevicePlan& plan, const LerpWeight& weight) {
           groups[kind].data(), static_cast<int64_t>(groups[kind].size()), arg, stream));
     }
   }
-  plan.finish();
+  plan.write_back();
 }
 
 void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
@@ -98,7 +98,7 @@ void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
                                                        arg, step, rounding.seed, stream));
     }
   }
-  plan.finish();
+  plan.write_back();
 }
 
 [[maybe_unused]] const bool kRegistered = register_device_runner(c10::DeviceType::CUDA, &run_plan);
