@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstddef>
 #include <exception>
 #include <optional>
 #include <vector>
@@ -40,8 +41,8 @@ bool plain_tensor(PyObject* obj) {
 
 // A long list's metadata has left the cache since the last call. Each tensor is fetched in stages,
 // each a few tensors further ahead than the object its address is read from: kAhead * 3: the
-// PyObject, * 2: its TensorImpl, * 1: the StorageImpl. Reading each once, in the one pass that
-// unpacks and checks, is what keeps the cost per tensor flat as lists outgrow the L2 cache.
+// PyObject, * 2: its TensorImpl, * 1: the StorageImpl. Each is read once, in the one pass that
+// unpacks and checks: past the L2 cache every further pass over them was a miss per object.
 constexpr size_t kAhead = 8;
 
 // What the pass reads of a THPVariable: the reference count, the type and the tensor.
