@@ -332,6 +332,11 @@ def test_diffusers_state_dict(tmp_path, settings):
     ours = ours_for_diffusers(run.model, settings, buffers="ignore")
     assert ours.load_state_dict(tmp_path / "ema.pt").format == "diffusers EMAModel"
     assert ours.step == BEFORE
+    continue_with_diffusers(run, ours, theirs)
+
+
+def continue_with_diffusers(run, ours, theirs):
+    """continue_both with a diffusers EMAModel, whose shadow params follow the parameters' order."""
     names = [n for n, _ in run.model.named_parameters()]
     continue_both(
         run,
@@ -375,14 +380,7 @@ def test_diffusers_save_pretrained_folder(tmp_path, settings):
     result = ours.load_state_dict(tmp_path / "unet_ema")
     assert result.format == "diffusers save_pretrained"
     assert ours.step == BEFORE
-    names = [n for n, _ in run.model.named_parameters()]
-    continue_both(
-        run,
-        ours,
-        lambda step: theirs.step(run.model.parameters()),
-        lambda step: ours.update(run.model),
-        lambda: dict(zip(names, theirs.shadow_params)),
-    )
+    continue_with_diffusers(run, ours, theirs)
 
 
 # ---------------------------------------------------------------------- the step itself

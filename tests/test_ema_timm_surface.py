@@ -587,19 +587,23 @@ def test_to_cuda_and_back():
 # ---------------------------------------------------------------------- pickling
 
 
+def round_trip(obj, how: str):
+    """obj through pickle, or through torch.save and torch.load (full unpickling)."""
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    f = io.BytesIO()
+    torch.save(obj, f)
+    f.seek(0)
+    return torch.load(f, weights_only=False)
+
+
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 def test_the_ema_round_trips(how):
     model = trained(TiedNet(), 2)
     ema = fused_ema.ModelEma(model, 0.8, warmup=True)
     for step in range(3):
         ema.update(trained(model, 1, seed=step))
-    if how == "pickle":
-        copy_ = pickle.loads(pickle.dumps(ema))
-    else:
-        f = io.BytesIO()
-        torch.save(ema, f)
-        f.seek(0)
-        copy_ = torch.load(f, weights_only=False)
+    copy_ = round_trip(ema, how)
     assert isinstance(copy_, fused_ema.ModelEma) and copy_.step == 3
     assert_same(weights(copy_), weights(ema))
     trained(model, 1, seed=9)
@@ -615,13 +619,7 @@ def test_the_ema_module_round_trips(how):
     ema = fused_ema.ModelEma(model, 0.8)
     ema.update(trained(model, 1))
     module = ema.module
-    if how == "pickle":
-        loaded = pickle.loads(pickle.dumps(module))
-    else:
-        f = io.BytesIO()
-        torch.save(module, f)
-        f.seek(0)
-        loaded = torch.load(f, weights_only=False)
+    loaded = round_trip(module, how)
     assert loaded.head.weight is loaded.embed.weight  # ties kept
     assert_same(loaded.state_dict(), weights(ema))
     x = torch.randint(0, 11, (6,))

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fused_ema
+from worker import Net  # this folder is on sys.path, run as a script or imported
 
 STEPS = 100
 SETTINGS = dict(decay=0.95, warmup=(2.0, 0.75), update_after_step=2, update_every=3)
@@ -41,17 +42,13 @@ COLLECTIVES = (
 )
 
 
-class ShardNet(nn.Module):
+class ShardNet(Net):
     """Rows 5, 7 and 1 split unevenly (empty chunks at 2 and 4 ranks), a [1, 3, 4] tensor split
     along its second dimension, a 0-dim parameter kept whole, a channels_last convolution weight,
     BatchNorm buffers (the integer one copied, not averaged)."""
 
     def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(5, 10)
-        self.l1 = nn.Linear(10, 7)
-        self.norm = nn.LayerNorm(7)
-        self.l2 = nn.Linear(7, 1)
+        super().__init__()  # worker.Net's layers, in its order
         self.bn = nn.BatchNorm1d(1)
         self.pos = nn.Parameter(torch.randn(1, 3, 4))
         self.scale = nn.Parameter(torch.tensor(1.5))
