@@ -9,10 +9,13 @@ TORCH_CUDA_ARCH_LIST, else for the visible GPUs, else for 8.0;9.0.
 
 import os
 import platform
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_clib import build_clib
 
 try:
     import torch
@@ -103,8 +106,12 @@ def cuda_arch_list() -> str:
 
 
 def isa_libraries() -> list:
-    """build_clib entries for the x86 span kernels; elsewhere they compile to empty tables."""
+    """build_clib entries for the x86 span kernels; elsewhere (or without binutils, see
+    PrivateIsaLibraries) they compile to empty tables and the baseline kernels serve."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    if not (shutil.which("nm") and shutil.which("objcopy")):
+        print("fused_ema: nm/objcopy not found: building the baseline CPU kernels only")
         return []
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     return [
@@ -118,6 +125,36 @@ def isa_libraries() -> list:
         )
         for isa, flags in ISA_FLAGS.items()
     ]
+
+
+class PrivateIsaLibraries(build_clib):
+    """Inline and template code that an ISA library instantiates (its own, c10's, the standard
+    library's) is compiled with that ISA's -m flags; left as weak global symbols, the linker may
+    bind baseline code to those copies (GCC 13 builds were seen to crash in an AVX-512 copy of
+    std::ostream's number output). So each library keeps its weak symbols local, and drops its
+    COMDAT groups, which would otherwise let the linker discard its private copies."""
+
+    def build_libraries(self, libraries):
+        super().build_libraries(libraries)
+        for name, _ in libraries:
+            archive = Path(self.build_clib) / self.compiler.library_filename(name)
+            listing = subprocess.run(
+                ["nm", "--defined-only", "-g", "-P", str(archive)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            weak = {
+                fields[0]
+                for fields in map(str.split, listing.splitlines())
+                if len(fields) >= 2 and fields[1] in ("W", "V", "u")
+            }
+            names = archive.with_suffix(".private-symbols")
+            names.write_text("".join(f"{symbol}\n" for symbol in sorted(weak)))
+            subprocess.run(
+                ["objcopy", f"--localize-symbols={names}", "--remove-section=.group", str(archive)],
+                check=True,
+            )
 
 
 def openmp_flags() -> list:
@@ -159,5 +196,8 @@ LIBRARIES = isa_libraries()
 setup(
     libraries=LIBRARIES,
     ext_modules=[extension(LIBRARIES)],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={
+        "build_ext": BuildExtension.with_options(use_ninja=True),
+        "build_clib": PrivateIsaLibraries,
+    },
 )

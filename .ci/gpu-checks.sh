@@ -1,31 +1,121 @@
 #!/usr/bin/env bash
-# The GPU checks, for a machine with a GPU and a CUDA build of torch (e.g. the lent device's image,
-# which has no network): build with CUDA, run the whole test suite, then the GPU benchmarks.
-# The test log and the results go to benchmarks/results/, named by GPU and date.
-#   bash .ci/gpu-checks.sh [tests|bench|all] [OUT_DIR]
-set -euo pipefail
+# The GPU run plan, for a machine with a GPU, a CUDA build of torch and no network (the lent H100/
+# H200: Python 3.12, torch 2.11+cu130, nvcc 13). Phases run in order, each well inside 10 minutes;
+# a failing phase is logged and the next one still runs; every log and result goes to OUT_DIR.
+#   bash .ci/gpu-checks.sh OUT_DIR [PHASE...]   (default: all of them, in this order)
+# Phases: build, cuda-tests, tests (the whole suite), sanitize (compute-sanitizer, ncu), bench,
+# profile. PHASE_TIMEOUT (seconds, default 540) stops a phase that hangs; the next one runs.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:-all}
-out=${2:-benchmarks/results}
-python3 -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'"
+out=${1:?usage: gpu-checks.sh OUT_DIR [phases...]}
+shift
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(build cuda-tests tests sanitize bench profile)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+summary="$out/summary.txt"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+note() { printf '%s\n' "$*" | tee -a "$summary"; }
+
+if ! "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  note "no GPU visible to $py: nothing to do"
+  exit 1
+fi
 # Headers a bare toolkit may lack (cusparse.h, ...) come with torch's nvidia packages.
-include=$(python3 -c "import sysconfig, torch; print(sysconfig.get_paths()['purelib'] + \
+include=$("$py" -c "import sysconfig, torch; print(sysconfig.get_paths()['purelib'] + \
 '/nvidia/cu' + torch.version.cuda.split('.')[0] + '/include')")
 if [ -d "$include" ]; then
   export CPATH="$include${CPATH:+:$CPATH}"
 fi
-if ! python3 -c "import fused_ema, sys; sys.exit(not fused_ema.build_info()['cuda_kernel'])"; then
-  FUSED_EMA_FORCE_CUDA=1 python3 -m pip install -q --no-build-isolation --no-deps -e .
+nvcc_dir=$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$nvcc_dir")} PATH="$nvcc_dir:$PATH"
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# The system compiler, whose libstdc++ is the one loaded at run time. The GPU image's Python names
+# its own newer GCC (sysconfig's CXX, /opt/gcc) and links with -Bsymbolic-functions: an extension
+# built with it binds to its own copies of newer libstdc++ templates, and crashed formatting
+# error messages against the older runtime library.
+export CC=${CC:-gcc} CXX=${CXX:-g++} LDSHARED=${LDSHARED:-g++ -shared}
+
+built() { "$py" -c "import fused_ema, sys; sys.exit(not fused_ema.build_info()['cuda_kernel'])" \
+  2>/dev/null; }
+
+phase_build() {
+  # TORCH_CUDA_ARCH_LIST unset: setup.py builds for the visible GPUs only.
+  FUSED_EMA_FORCE_CUDA=1 "$py" -m pip install -q --no-build-isolation --no-deps -e . || return 1
+  "$py" -m fused_ema | tee "$out/build_info.json"
+  built
+}
+
+pytest_flags="-q -p no:cacheprovider -rfE"
+if "$py" -c "import pytest_timeout" 2>/dev/null; then
+  pytest_flags+=" --timeout 300"
 fi
-tag=$(python3 -c "import datetime, re, torch; print(re.sub('[^a-z0-9]+', '-', \
-torch.cuda.get_device_name().lower()).strip('-') + '_' + datetime.date.today().isoformat())")
-mkdir -p "$out"
-if [ "$what" != bench ]; then
-  { python3 -m fused_ema; python3 -m pytest tests -q -p no:cacheprovider; } 2>&1 \
-    | tee "$out/tests_${tag}.log"
-fi
-if [ "$what" != tests ]; then
-  python3 -m benchmarks.bench --devices cuda --full --out "$out"
-  python3 -m benchmarks.scaling --device cuda --out "$out"
-  python3 -m benchmarks.training_loop --device cuda --out "$out"
-fi
+
+# Test processes of their own (pytest-xdist, where installed): a crash fails one test, not the run.
+workers() {
+  if "$py" -c "import xdist" 2>/dev/null; then
+    echo "-n $(($(nproc) > $1 ? $1 : $(nproc))) --dist loadfile"
+  fi
+}
+
+phase_cuda_tests() {
+  # Every test that names CUDA (the test_cuda_* files and the cuda cases of the others).
+  "$py" -m pytest tests $pytest_flags $(workers 4) -k "cuda or gpu" --junitxml="$out/tests_cuda.xml"
+}
+
+phase_tests() {
+  "$py" -m pytest tests $pytest_flags $(workers 8) --junitxml="$out/tests_all.xml"
+}
+
+phase_sanitize() {
+  local status=0 tool
+  # A small workload (every dtype pair, both layouts, ragged misaligned lists, device weights,
+  # stochastic rounding, the schedule op), each result checked against the CPU kernel.
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+      "$py" .ci/gpu_workload.py --small || status=1
+  done
+  # Theoretical and achieved occupancy of the lerp kernels, on tensors that fill the GPU.
+  if command -v ncu >/dev/null; then
+    ncu --clock-control none --kernel-name regex:multi_tensor_kernel --launch-count 10 \
+      --section Occupancy --section SpeedOfLight --section LaunchStats --csv --page details \
+      "$py" .ci/gpu_workload.py --large >"$out/ncu.csv" || status=1
+    "$py" .ci/ncu_summary.py "$out/ncu.csv" || status=1
+  else
+    echo "ncu not found: occupancy not measured"
+  fi
+  return $status
+}
+
+phase_bench() {
+  local status=0
+  "$py" -m benchmarks.bench --devices cuda --full --out "$out" || status=1
+  "$py" -m benchmarks.scaling --device cuda --out "$out" || status=1
+  "$py" -m benchmarks.training_loop --device cuda --out "$out" || status=1
+  return $status
+}
+
+phase_profile() {
+  "$py" -m benchmarks.profile_update --device cuda --out "$out"
+}
+
+export -f phase_build phase_cuda_tests phase_tests phase_sanitize phase_bench phase_profile built \
+  workers
+export py out pytest_flags
+for phase in "${phases[@]}"; do
+  if [ "$phase" != build ] && ! built; then
+    note "fused_ema has no CUDA kernel here: building first"
+    phase_build >"$out/build.log" 2>&1
+  fi
+  started=$(date +%s)
+  echo "=== $phase"
+  timeout "${PHASE_TIMEOUT:-540}" bash -c "phase_${phase//-/_}" >"$out/$phase.log" 2>&1
+  status=$?
+  tail -n 25 "$out/$phase.log"
+  verdict=$([ $status -eq 0 ] && echo ok || { [ $status -eq 124 ] && echo TIMEOUT || echo FAILED; })
+  note "$(printf '%-10s %-7s %5ss' "$phase" "$verdict" "$(($(date +%s) - started))")"
+done
+echo "=== summary ($out)"
+cat "$summary"

@@ -1,10 +1,11 @@
 """The models the benchmark averages: real nn.Modules with the parameter lists of the networks
 people train (so every EMA library runs on what it would see), plus the many-small-tensors stress
-case. Only parameter shapes matter for an EMA; the forward passes are minimal."""
+case. Only parameter shapes matter for an EMA; ViT-B/16 also trains (benchmarks.training_loop)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -46,6 +47,14 @@ class ViTBlock(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.fc1, self.fc2 = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
+        self.heads = dim // 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = x + self.proj(attn)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
 class ViTB16(nn.Module):
@@ -58,6 +67,11 @@ class ViTB16(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, 197, dim))
         self.blocks = nn.Sequential(*[ViTBlock(dim, 4 * dim) for _ in range(depth)])
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
 
 
 class RMSNorm(nn.Module):

@@ -14,6 +14,14 @@ def timm_model_ema():
         pytest.skip(str(err))
 
 
+def require_pinned_timm():
+    """Skip unless the installed timm is the release .ci/env.sh pins: checks of its exact
+    signature and checkpoint layouts hold for that release (e.g. timm 1.0.29 has other keywords)."""
+    found = peers.timm_version()
+    if found != peers.TIMM_VERSION:
+        pytest.skip(f"checks timm {peers.TIMM_VERSION}'s own surface; timm {found} is installed")
+
+
 def require(reason):
     """Skip with `reason` when it is not None (the *_missing() checks of benchmarks.peers)."""
     if reason:

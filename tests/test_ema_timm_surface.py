@@ -17,7 +17,7 @@ from torch import nn
 
 import fused_ema
 from ema_helpers import TiedNet, small_mlp, train_step, trained
-from peers import timm_model_ema
+from peers import require_pinned_timm, timm_model_ema
 
 V3_ARGS = (0.999, 0.1, 5, True, 1.0, 0.75, "cpu", torch.float32, True, 7, True, False)
 
@@ -80,6 +80,7 @@ def loader(seed, batches=3):
 
 
 def test_positional_order_is_timm_v3s():
+    require_pinned_timm()
     timm = timm_model_ema()
     theirs = list(inspect.signature(timm.ModelEmaV3).parameters)
     ours = list(inspect.signature(fused_ema.ModelEma).parameters)
@@ -90,6 +91,7 @@ def test_positional_order_is_timm_v3s():
 
 
 def test_positional_arguments_mean_what_they_mean_for_v3():
+    require_pinned_timm()
     timm = timm_model_ema()
     torch.manual_seed(0)
     model = small_mlp()
@@ -320,6 +322,7 @@ def test_the_readme_save_example_is_loaded_by_timm(tmp_path):
 
 
 def test_timm_reads_the_layouts_the_readme_lists(tmp_path):
+    require_pinned_timm()
     helpers = timm_helpers()
     model = trained(small_mlp(), 2)
     ema = fused_ema.ModelEma(nn.parallel.DataParallel(model), decay=0.5)
