@@ -130,9 +130,9 @@ def isa_libraries() -> list:
 class PrivateIsaLibraries(build_clib):
     """Inline and template code that an ISA library instantiates (its own, c10's, the standard
     library's) is compiled with that ISA's -m flags; left as weak global symbols, the linker may
-    bind baseline code to those copies (GCC 13 builds were seen to crash in an AVX-512 copy of
-    std::ostream's number output). So each library keeps its weak symbols local, and drops its
-    COMDAT groups, which would otherwise let the linker discard its private copies."""
+    bind baseline code to those copies, which then runs AVX-512 instructions on a CPU without
+    them. So each library keeps its weak symbols local, and drops its COMDAT groups, which would
+    otherwise let the linker discard its private copies."""
 
     def build_libraries(self, libraries):
         super().build_libraries(libraries)
