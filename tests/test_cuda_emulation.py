@@ -56,7 +56,6 @@ def emu():
     from torch.utils.cpp_extension import load
 
     tag = hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]  # one build per checkout
-    os.environ.setdefault("MAX_JOBS", "1")
     load(
         name=f"fused_ema_emulation_{tag}",
         sources=[str(ROOT / "tests" / "cuda" / "emulation.cpp")],
