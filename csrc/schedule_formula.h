@@ -12,11 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FUSED_EMA_HOST_DEVICE __host__ __device__
-#else
-#define FUSED_EMA_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace fused_ema {
 

@@ -5,13 +5,7 @@
 
 #include <cstdint>
 
-#ifndef FUSED_EMA_HOST_DEVICE
-#if defined(__CUDACC__)
-#define FUSED_EMA_HOST_DEVICE __host__ __device__
-#else
-#define FUSED_EMA_HOST_DEVICE
-#endif
-#endif
+#include "host_device.h"
 
 namespace fused_ema::sr {
 

@@ -1,7 +1,8 @@
 // Multi-tensor apply: one launch updates many tensors in place. Pointers, sizes and each tensor's
 // first block travel in the kernel's parameter space (4 KB, or 32 KB where driver and GPU allow,
 // chosen at run time per device); a block finds its tensor by binary search over the first-block
-// table, so a tensor never straddles two launches. Needs no torch headers (nvcc-only tests).
+// table, so a tensor never straddles two launches. Needs no torch headers (nvcc-only tests); a
+// plain C++ compiler takes all but the launch itself, so tests run the device code on the host.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+
+#include "../host_device.h"
 
 namespace fused_ema::cuda {
 
@@ -107,9 +110,9 @@ struct alignas(16) Pack {
   T v[N];
 };
 
-__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+FUSED_EMA_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-__host__ __device__ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+FUSED_EMA_HOST_DEVICE inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // Elements of head such that both sides are 16-byte aligned after it, or -1 if no such count
 // below one pack exists (then the tensor takes the plain element-wise path).
@@ -126,7 +129,7 @@ int aligned_head(const TensorRef& ref) {
 }
 
 template <int kPack>
-__host__ __device__ inline int64_t packs_in_body(int64_t numel, int head) {
+FUSED_EMA_HOST_DEVICE inline int64_t packs_in_body(int64_t numel, int head) {
   return (numel - head) / kPack;
 }
 
@@ -152,7 +155,7 @@ struct BlockWork {
 };
 
 template <int kPack, typename Meta>
-__host__ __device__ inline BlockWork block_work(const Meta& meta, int32_t block) {
+FUSED_EMA_HOST_DEVICE inline BlockWork block_work(const Meta& meta, int32_t block) {
   int lo = 0;
   int hi = meta.num_tensors - 1;
   while (lo < hi) {
@@ -187,7 +190,7 @@ using MetaOf = LaunchMeta<kCapacity, typename Op::extra_t>;
 
 // Ops without per-tensor data bind from their own fields; others also from the block's tensor.
 template <typename Op, typename Meta>
-__device__ auto bind_op(const Op& op, const Meta& meta, int t) {
+FUSED_EMA_HOST_DEVICE auto bind_op(const Op& op, const Meta& meta, int t) {
   if constexpr (std::is_void_v<typename Op::extra_t>) {
     return op.bind();
   } else {
@@ -198,7 +201,7 @@ __device__ auto bind_op(const Op& op, const Meta& meta, int t) {
 // A bound op maps (ema, src) to the new ema value; an indexed one (kIndexed) also takes the
 // element's index in its tensor, and updates a whole pack at once (pack()).
 template <typename F, typename E, typename S>
-__device__ E apply_one(const F& f, E e, S s, int64_t i) {
+FUSED_EMA_HOST_DEVICE E apply_one(const F& f, E e, S s, int64_t i) {
   if constexpr (F::kIndexed) {
     return f(e, s, i);
   } else {
@@ -206,17 +209,28 @@ __device__ E apply_one(const F& f, E e, S s, int64_t i) {
   }
 }
 
-// Op supplies ema_t, src_t, extra_t, kPack and bind(), whose result maps (ema, src) to the new
-// ema value and says whether this launch may skip its work (read on the device: a device-side
-// weight).
+// The kernel: Op supplies ema_t, src_t, extra_t, kPack and bind(), whose result maps (ema, src)
+// to the new ema value and says whether this launch may skip its work (read on the device: a
+// device-side weight). A plain C++ compiler gets the same body as a function of the block and
+// thread indices: the threads of a block share nothing, so running them one after another on the
+// host is faithful. (The body stays in the kernel: moved into a function that the kernel calls,
+// inlined or not, it took ptxas from 38 to 61 registers for a stochastic kernel on sm_80.)
+#if defined(__CUDACC__)
 template <typename Op, int kCapacity>
 __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
     multi_tensor_kernel(const FUSED_EMA_GRID_CONSTANT MetaOf<Op, kCapacity> meta, const Op op) {
+  const auto block = static_cast<int32_t>(blockIdx.x);
+  const unsigned thread = threadIdx.x;
+#else
+template <typename Op, int kCapacity>
+void multi_tensor_kernel(const MetaOf<Op, kCapacity>& meta, const Op& op, int32_t block,
+                         unsigned thread) {
+#endif
   using E = typename Op::ema_t;
   using S = typename Op::src_t;
   constexpr int kPack = Op::kPack;
   constexpr int kIlp = Op::kIlp;
-  const BlockWork w = block_work<kPack>(meta, static_cast<int32_t>(blockIdx.x));
+  const BlockWork w = block_work<kPack>(meta, block);
   const auto f = bind_op(op, meta, w.tensor);
   if (f.skip) {
     return;
@@ -229,7 +243,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
   if (w.head < 0) {
     E* ema_chunk = ema + w.begin;
     const S* src_chunk = src + w.begin;
-    for (int base = threadIdx.x; base < count; base += kBlockThreads * kIlp) {
+    for (int base = static_cast<int>(thread); base < count; base += kBlockThreads * kIlp) {
       E e[kIlp];
       S s[kIlp];
 #pragma unroll
@@ -253,7 +267,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
 
   auto* ema_chunk = reinterpret_cast<Pack<E, kPack>*>(ema + w.head) + w.begin;
   const auto* src_chunk = reinterpret_cast<const Pack<S, kPack>*>(src + w.head) + w.begin;
-  for (int base = threadIdx.x; base < count; base += kBlockThreads * kIlp) {
+  for (int base = static_cast<int>(thread); base < count; base += kBlockThreads * kIlp) {
     Pack<E, kPack> e[kIlp];
     Pack<S, kPack> s[kIlp];
 #pragma unroll
@@ -281,8 +295,9 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
     }
   }
   // The unaligned head and the tail shorter than a pack: fewer than 2 * kPack elements.
-  if (threadIdx.x < w.scalars) {
-    const int64_t i = threadIdx.x < w.head ? threadIdx.x : w.tail_begin + (threadIdx.x - w.head);
+  if (thread < w.scalars) {
+    const auto head = static_cast<unsigned>(w.head);  // >= 0 here
+    const int64_t i = thread < head ? thread : w.tail_begin + (thread - head);
     ema[i] = apply_one(f, ema[i], src[i], i);
   }
 }
@@ -334,6 +349,26 @@ cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapa
   return flush();
 }
 
+// Tensors a launch of `kParamBytes` of parameters carries for `Op`.
+template <typename Op, size_t kParamBytes>
+constexpr int op_capacity() {
+  return capacity_for<typename Op::extra_t, kParamBytes>();
+}
+
+// Packs `refs` into launches of `kParamBytes` of parameters for `Op` and hands each to
+// `launch(meta, blocks)`: the kernel launch below, or the host emulation of the tests.
+template <typename Op, size_t kParamBytes, typename Launch>
+cudaError_t pack_op_launches(const TensorRef* refs, int64_t count,
+                             const typename Op::extra_t* extras, Launch&& launch) {
+  constexpr int kCapacity = op_capacity<Op, kParamBytes>();
+  static_assert(sizeof(MetaOf<Op, kCapacity>) + kOpParamRoom <= kParamBytes,
+                "launch metadata exceeds the kernel parameters");
+  MetaOf<Op, kCapacity> meta;
+  return pack_launches<typename Op::ema_t, typename Op::src_t, Op::kPack>(refs, count, meta, launch,
+                                                                          extras);
+}
+
+#if defined(__CUDACC__)
 // FUSED_EMA_CUDA_SMALL_PARAMS=1 (or set_force_small_params) keeps every launch at 4 KB.
 inline std::atomic<bool>& force_small_params() {
   static std::atomic<bool> flag([] {
@@ -397,28 +432,23 @@ inline cudaError_t use_large_params(cudaStream_t stream, bool* large) {
   return large_params_supported(device, large);
 }
 
-template <typename Op, size_t kParamBytes, typename Extra>
+template <typename Op, size_t kParamBytes>
 cudaError_t launch_packed(const TensorRef* refs, int64_t count, const Op& op, cudaStream_t stream,
-                          const Extra* extras) {
-  constexpr int kCapacity = capacity_for<typename Op::extra_t, kParamBytes>();
-  static_assert(sizeof(MetaOf<Op, kCapacity>) + kOpParamRoom <= kParamBytes,
-                "launch metadata exceeds the kernel parameters");
-  MetaOf<Op, kCapacity> meta;
-  return pack_launches<typename Op::ema_t, typename Op::src_t, Op::kPack>(
-      refs, count, meta,
-      [&](const MetaOf<Op, kCapacity>& packed, int64_t blocks) {
+                          const typename Op::extra_t* extras) {
+  constexpr int kCapacity = op_capacity<Op, kParamBytes>();
+  return pack_op_launches<Op, kParamBytes>(
+      refs, count, extras, [&](const MetaOf<Op, kCapacity>& packed, int64_t blocks) {
         multi_tensor_kernel<Op, kCapacity>
             <<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(packed, op);
         return cudaGetLastError();
-      },
-      extras);
+      });
 }
 
 // Updates every tensor of `refs` in as few launches as the device's parameter space allows.
 // `extras` holds each tensor's Op::extra_t, if it has one.
-template <typename Op, typename Extra = typename Op::extra_t>
+template <typename Op>
 cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& op,
-                               cudaStream_t stream, const Extra* extras = nullptr) {
+                               cudaStream_t stream, const typename Op::extra_t* extras = nullptr) {
   if constexpr (kLargeParamsCompiled) {
     bool large = false;
     if (const cudaError_t err = use_large_params(stream, &large); err != cudaSuccess) {
@@ -430,5 +460,6 @@ cudaError_t multi_tensor_apply(const TensorRef* refs, int64_t count, const Op& o
   }
   return launch_packed<Op, kSmallParamBytes>(refs, count, op, stream, extras);
 }
+#endif  // defined(__CUDACC__)
 
 }  // namespace fused_ema::cuda

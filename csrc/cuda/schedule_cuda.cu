@@ -7,26 +7,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <limits>
-
 #include "../schedule.h"
+#include "schedule_step.cuh"
 
 namespace fused_ema::cuda {
 namespace {
 
 __global__ void ema_schedule_kernel(int64_t* step, double* out, const double* config,
                                     bool advance) {
-  if (advance) {
-    *step = next_step(*step);
-  }
-  if (first_bad_field(config) != kNumConfigFields) {
-    out[0] = 0.0;
-    out[1] = std::numeric_limits<double>::quiet_NaN();
-    return;
-  }
-  const ScheduledWeight w = scheduled_weight(schedule_from_config(config), *step);
-  out[0] = w.weight;
-  out[1] = w.decay;
+  schedule_step(step, out, config, advance);
 }
 
 void ema_schedule_cuda(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,

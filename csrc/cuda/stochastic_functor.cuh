@@ -1,6 +1,7 @@
 // The functor of fused_ema::lerp_stochastic_ for multi_tensor_apply: LerpOp's lerp in float, then
 // the stochastic rounding of ../stochastic_round.h into a bfloat16/float16 EMA, bit for bit as on
-// the CPU. One Philox call serves 4 consecutive elements. No torch headers (nvcc-only tests).
+// the CPU. One Philox call serves 4 consecutive elements. No torch headers (nvcc-only tests); the
+// host compiles it too.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,21 +25,22 @@ struct StepArg {
   uint64_t value;
   const int64_t* device;
 
-  __device__ uint64_t read() const {
+  FUSED_EMA_HOST_DEVICE uint64_t read() const {
     return device != nullptr ? static_cast<uint64_t>(*device) : value;
   }
 };
 
-__device__ inline __nv_bfloat16 from_sr_bits(uint32_t bits, uint32_t word, __nv_bfloat16*) {
+FUSED_EMA_HOST_DEVICE inline __nv_bfloat16 from_sr_bits(uint32_t bits, uint32_t word,
+                                                        __nv_bfloat16*) {
   return __ushort_as_bfloat16(sr::round_bf16(bits, word));
 }
-__device__ inline __half from_sr_bits(uint32_t bits, uint32_t word, __half*) {
+FUSED_EMA_HOST_DEVICE inline __half from_sr_bits(uint32_t bits, uint32_t word, __half*) {
   return __ushort_as_half(sr::round_f16(bits, word));
 }
 
 // Word i (0 <= i < 8) of two consecutive groups, by selects rather than a run-time index (which
 // would put the words in local memory).
-__device__ inline uint32_t word_of_two(const sr::Words& a, const sr::Words& b, int i) {
+FUSED_EMA_HOST_DEVICE inline uint32_t word_of_two(const sr::Words& a, const sr::Words& b, int i) {
   uint32_t out = a.w[0];
 #pragma unroll
   for (int j = 1; j < 2 * sr::kWordsPerCall; ++j) {
@@ -47,10 +49,14 @@ __device__ inline uint32_t word_of_two(const sr::Words& a, const sr::Words& b, i
   return out;
 }
 
+// The EMA types lerp_stochastic_ rounds stochastically; others get the plain lerp.
+template <typename E>
+constexpr bool kRoundsStochastically =
+    std::is_same_v<E, __nv_bfloat16> || std::is_same_v<E, __half>;
+
 template <typename E, typename S>
 struct LerpStochasticOp {
-  static_assert(std::is_same_v<E, __nv_bfloat16> || std::is_same_v<E, __half>,
-                "stochastic rounding is for 16-bit EMAs");
+  static_assert(kRoundsStochastically<E>, "stochastic rounding is for 16-bit EMAs");
   using ema_t = E;
   using src_t = S;
   using extra_t = SrTensor;
@@ -73,20 +79,20 @@ struct LerpStochasticOp {
     uint64_t offset;
     uint32_t key;
 
-    __device__ E round(E e_in, S s_in, uint32_t word) const {
+    FUSED_EMA_HOST_DEVICE E round(E e_in, S s_in, uint32_t word) const {
       const float e = to_opmath(e_in);
       const float s = to_opmath(s_in);
-      const float r = fmaf(coeff, s - e, small ? e : s);
-      return from_sr_bits(__float_as_uint(r), word, static_cast<E*>(nullptr));
+      const float r = fma_once(coeff, s - e, small ? e : s);
+      return from_sr_bits(float_as_uint(r), word, static_cast<E*>(nullptr));
     }
 
-    __device__ E operator()(E e, S s, int64_t i) const {
+    FUSED_EMA_HOST_DEVICE E operator()(E e, S s, int64_t i) const {
       return round(e, s, sr::element_word(seed, step, key, offset + static_cast<uint64_t>(i)));
     }
 
     // A pack whose first element starts a Philox group takes N / 4 calls.
     template <int N>
-    __device__ void pack(Pack<E, N>& e, const Pack<S, N>& s, int64_t first) const {
+    FUSED_EMA_HOST_DEVICE void pack(Pack<E, N>& e, const Pack<S, N>& s, int64_t first) const {
       const uint64_t element = offset + static_cast<uint64_t>(first);
       const uint64_t group = element / sr::kWordsPerCall;
       const auto lane = static_cast<int>(element % sr::kWordsPerCall);
@@ -111,24 +117,26 @@ struct LerpStochasticOp {
     }
   };
 
-  __device__ Bound bind(const SrTensor& tensor) const {
+  FUSED_EMA_HOST_DEVICE Bound bind(const SrTensor& tensor) const {
     const auto w = static_cast<float>(weight.read());
     const bool small = fabsf(w) < 0.5f;
     return {small ? w : w - 1.0f, small, w == 0.0f, seed, step.read(), tensor.offset, tensor.key};
   }
 };
 
+#if defined(__CUDACC__)
 // Stochastic rounding for 16-bit EMAs; float32/float64 EMAs get the plain lerp.
 template <typename E, typename S>
 cudaError_t launch_lerp_stochastic(const TensorRef* refs, const SrTensor* extras, int64_t count,
                                    WeightArg weight, StepArg step, uint64_t seed,
                                    cudaStream_t stream) {
-  if constexpr (std::is_same_v<E, __nv_bfloat16> || std::is_same_v<E, __half>) {
+  if constexpr (kRoundsStochastically<E>) {
     return multi_tensor_apply(refs, count, LerpStochasticOp<E, S>{weight, step, seed}, stream,
                               extras);
   } else {
     return launch_lerp<E, S>(refs, count, weight, stream);
   }
 }
+#endif
 
 }  // namespace fused_ema::cuda

@@ -23,18 +23,10 @@ FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE)
 FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE_SR)
 #undef FUSED_EMA_INSTANTIATE_SR
 
-// The schedule formula is shared by host and device (schedule_formula.h); the device reads its
-// config from memory, as csrc/cuda/schedule_cuda.cu does.
-#include "schedule_formula.h"
+// The schedule kernel's body is shared by host and device (cuda/schedule_step.cuh); the device
+// reads its config from memory, as csrc/cuda/schedule_cuda.cu does.
+#include "cuda/schedule_step.cuh"
 
-__global__ void schedule_check(int64_t* step, const double* config, double* out) {
-  *step = fused_ema::next_step(*step);
-  if (fused_ema::first_bad_field(config) != fused_ema::kNumConfigFields) {
-    out[0] = 0.0;
-    return;
-  }
-  const fused_ema::ScheduledWeight w =
-      fused_ema::scheduled_weight(fused_ema::schedule_from_config(config), *step);
-  out[0] = w.weight;
-  out[1] = w.decay;
+__global__ void schedule_check(int64_t* step, double* out, const double* config, bool advance) {
+  fc::schedule_step(step, out, config, advance);
 }

@@ -1,0 +1,161 @@
+// A test-only torch extension that runs fused_ema's CUDA device code on the CPU, compiled by a
+// plain C++ compiler (test_cuda_emulation.py builds it): torch.ops.fused_ema_emulation.lerp_,
+// lerp_stochastic_ (the kernels, packed as for the 4 KB or the 32 KB layout, every block and
+// thread run) and schedule_ (the schedule kernel's body). Arguments reach the kernels as
+// lerp_cuda.cu and schedule_cuda.cu pass them; tensor weights and steps are read through pointers.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "cuda/lerp_functor.cuh"
+#include "cuda/pair_types.cuh"
+#include "cuda/schedule_step.cuh"
+#include "cuda/stochastic_functor.cuh"
+#include "dtype_pairs.h"
+#include "emulated_launch.h"
+
+namespace fused_ema::cuda::emulation {
+namespace {
+
+using Counts = std::vector<int64_t>;  // launches, blocks
+
+Counts counts_of(cudaError_t err, const LaunchCounts& counts) {
+  TORCH_CHECK(err == cudaSuccess, "emulated launch failed: error ", static_cast<int>(err));
+  return {counts.launches, counts.blocks};
+}
+
+template <typename E, typename S>
+Counts lerp(const std::vector<TensorRef>& refs, WeightArg weight, bool large) {
+  LaunchCounts counts;
+  const cudaError_t err = multi_tensor_apply(refs.data(), static_cast<int64_t>(refs.size()),
+                                             LerpOp<E, S>{weight}, large, counts);
+  return counts_of(err, counts);
+}
+
+// launch_lerp_stochastic's choice: stochastic rounding for 16-bit EMAs, else the plain lerp.
+template <typename E, typename S>
+Counts lerp_stochastic(const std::vector<TensorRef>& refs, const std::vector<SrTensor>& extras,
+                       WeightArg weight, StepArg step, uint64_t seed, bool large) {
+  if constexpr (kRoundsStochastically<E>) {
+    LaunchCounts counts;
+    const cudaError_t err = multi_tensor_apply(refs.data(), static_cast<int64_t>(refs.size()),
+                                               LerpStochasticOp<E, S>{weight, step, seed}, large,
+                                               counts, extras.data());
+    return counts_of(err, counts);
+  } else {
+    return lerp<E, S>(refs, weight, large);
+  }
+}
+
+using LerpFn = Counts (*)(const std::vector<TensorRef>&, WeightArg, bool);
+using StochasticFn = Counts (*)(const std::vector<TensorRef>&, const std::vector<SrTensor>&,
+                                WeightArg, StepArg, uint64_t, bool);
+
+#define FUSED_EMA_EMULATED(kind, ema, src, ema_tag, src_tag) \
+  &lerp<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>,
+constexpr LerpFn kLerp[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_EMULATED)};
+#undef FUSED_EMA_EMULATED
+#define FUSED_EMA_EMULATED(kind, ema, src, ema_tag, src_tag) \
+  &lerp_stochastic<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>,
+constexpr StochasticFn kStochastic[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_EMULATED)};
+#undef FUSED_EMA_EMULATED
+
+// The lists' one dtype pair, and each pair as a dense TensorRef.
+PairKind dense_refs(at::TensorList ema, at::TensorList src, std::vector<TensorRef>& refs) {
+  TORCH_CHECK(!ema.empty() && ema.size() == src.size(), "ema and src: equal, non-empty lists");
+  const std::optional<PairKind> kind = pair_kind(ema[0].scalar_type(), src[0].scalar_type());
+  TORCH_CHECK(kind.has_value(), "unsupported dtype pair");
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK(ema[i].scalar_type() == ema[0].scalar_type() &&
+                    src[i].scalar_type() == src[0].scalar_type(),
+                "one dtype pair per call");
+    TORCH_CHECK(ema[i].is_cpu() && src[i].is_cpu() && ema[i].is_contiguous() &&
+                    src[i].is_contiguous() && ema[i].numel() == src[i].numel(),
+                "pair ", i, ": contiguous CPU tensors of one size");
+    refs.push_back({ema[i].data_ptr(), src[i].const_data_ptr(), ema[i].numel()});
+  }
+  return *kind;
+}
+
+// A device-side weight: WeightArg's pointer, as lerp_cuda.cu passes a tensor on the EMA's device.
+WeightArg weight_arg(double weight, const std::optional<at::Tensor>& tensor) {
+  if (!tensor.has_value()) {
+    return {weight, nullptr, nullptr};
+  }
+  TORCH_CHECK(tensor->numel() == 1 &&
+                  (tensor->scalar_type() == at::kFloat || tensor->scalar_type() == at::kDouble),
+              "a tensor weight is one float32/float64 element");
+  if (tensor->scalar_type() == at::kFloat) {
+    return {0.0, tensor->const_data_ptr<float>(), nullptr};
+  }
+  return {0.0, nullptr, tensor->const_data_ptr<double>()};
+}
+
+Counts lerp_op(at::TensorList ema, at::TensorList src, double weight,
+               const std::optional<at::Tensor>& weight_tensor, bool large) {
+  std::vector<TensorRef> refs;
+  const PairKind kind = dense_refs(ema, src, refs);
+  return kLerp[static_cast<size_t>(kind)](refs, weight_arg(weight, weight_tensor), large);
+}
+
+Counts lerp_stochastic_op(at::TensorList ema, at::TensorList src, double weight,
+                          const std::optional<at::Tensor>& weight_tensor, int64_t seed,
+                          int64_t step, const std::optional<at::Tensor>& step_tensor,
+                          at::IntArrayRef keys, at::IntArrayRef offsets, bool large) {
+  std::vector<TensorRef> refs;
+  const PairKind kind = dense_refs(ema, src, refs);
+  TORCH_CHECK(keys.size() == ema.size() && offsets.size() == ema.size(),
+              "a key and an offset per tensor");
+  std::vector<SrTensor> extras;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    extras.push_back({static_cast<uint64_t>(offsets[i]), static_cast<uint32_t>(keys[i])});
+  }
+  StepArg step_arg{static_cast<uint64_t>(step), nullptr};
+  if (step_tensor.has_value()) {
+    TORCH_CHECK(step_tensor->numel() == 1 && step_tensor->scalar_type() == at::kLong,
+                "a tensor step is one int64 element");
+    step_arg = {0, step_tensor->const_data_ptr<int64_t>()};
+  }
+  return kStochastic[static_cast<size_t>(kind)](refs, extras, weight_arg(weight, weight_tensor),
+                                                step_arg, static_cast<uint64_t>(seed), large);
+}
+
+void schedule_op(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
+                 bool advance) {
+  TORCH_CHECK(step.scalar_type() == at::kLong && step.numel() == 1 &&
+                  out.scalar_type() == at::kDouble && out.numel() == 2 && out.is_contiguous() &&
+                  config.scalar_type() == at::kDouble && config.numel() == kNumConfigFields &&
+                  config.is_contiguous(),
+              "step: one int64; out: 2 float64; config: 8 float64");
+  schedule_step(step.mutable_data_ptr<int64_t>(), out.mutable_data_ptr<double>(),
+                config.const_data_ptr<double>(), advance);
+}
+
+// Tensors a launch carries: lerp_ 4 KB, 32 KB; lerp_stochastic_ (16-bit EMAs) 4 KB, 32 KB.
+Counts capacities() {
+  using Sr = LerpStochasticOp<__nv_bfloat16, float>;
+  using Plain = LerpOp<float, float>;
+  return {op_capacity<Plain, kSmallParamBytes>(), op_capacity<Plain, kLargeParamBytes>(),
+          op_capacity<Sr, kSmallParamBytes>(), op_capacity<Sr, kLargeParamBytes>()};
+}
+
+}  // namespace
+}  // namespace fused_ema::cuda::emulation
+
+namespace emu = fused_ema::cuda::emulation;
+
+TORCH_LIBRARY(fused_ema_emulation, m) {
+  m.def(
+      "lerp_(Tensor(a!)[] ema, Tensor[] src, float weight, Tensor? weight_tensor, bool large)"
+      " -> int[]",
+      &emu::lerp_op);
+  m.def(
+      "lerp_stochastic_(Tensor(a!)[] ema, Tensor[] src, float weight, Tensor? weight_tensor, "
+      "int seed, int step, Tensor? step_tensor, int[] keys, int[] offsets, bool large) -> int[]",
+      &emu::lerp_stochastic_op);
+  m.def("schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()",
+        &emu::schedule_op);
+  m.def("capacities() -> int[]", &emu::capacities);
+}
