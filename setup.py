@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import setup
@@ -157,6 +158,27 @@ class PrivateIsaLibraries(build_clib):
             )
 
 
+def choose_compiler() -> None:
+    """The system g++ (the one on PATH), where Python names another compiler. setuptools builds
+    with the compiler Python itself was built with (sysconfig's CXX) and Python's link flags: on
+    a CUDA image whose Python names its own GCC (/opt/gcc, linking with -Bsymbolic-functions), the
+    extension bound its own instantiations of libstdc++ templates and crashed formatting every
+    error message; the system g++ is the one built with the libstdc++ loaded at run time. CXX
+    set: that choice stands."""
+    if "CXX" in os.environ or not sys.platform.startswith("linux"):
+        return
+    configured = (sysconfig.get_config_var("CXX") or "").split()
+    system_cxx, system_cc = shutil.which("g++"), shutil.which("gcc")
+    if not configured or not system_cxx or not system_cc:
+        return
+    python_cxx = shutil.which(configured[0]) or configured[0]
+    if os.path.realpath(python_cxx) == os.path.realpath(system_cxx):
+        return
+    print(f"fused_ema: compiling with the system {system_cxx}, not Python's {python_cxx} "
+          "(set CXX to choose)")
+    os.environ.update(CC=system_cc, CXX=system_cxx, LDSHARED=f"{system_cxx} -shared")
+
+
 def openmp_flags() -> list:
     """at::parallel_for is inline OpenMP code in torch's OpenMP builds: without -fopenmp it would
     silently run on one thread. The libgomp torch ships is already loaded, so it is the one used."""
@@ -192,6 +214,7 @@ def extension(libraries: list):
     )
 
 
+choose_compiler()
 LIBRARIES = isa_libraries()
 setup(
     libraries=LIBRARIES,

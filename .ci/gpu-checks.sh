@@ -32,18 +32,17 @@ fi
 nvcc_dir=$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")
 export CUDA_HOME=${CUDA_HOME:-$(dirname "$nvcc_dir")} PATH="$nvcc_dir:$PATH"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-# The system compiler, whose libstdc++ is the one loaded at run time. The GPU image's Python names
-# its own newer GCC (sysconfig's CXX, /opt/gcc) and links with -Bsymbolic-functions: an extension
-# built with it binds to its own copies of newer libstdc++ templates, and crashed formatting
-# error messages against the older runtime library.
-export CC=${CC:-gcc} CXX=${CXX:-g++} LDSHARED=${LDSHARED:-g++ -shared}
 
 built() { "$py" -c "import fused_ema, sys; sys.exit(not fused_ema.build_info()['cuda_kernel'])" \
   2>/dev/null; }
 
 phase_build() {
   # TORCH_CUDA_ARCH_LIST unset: setup.py builds for the visible GPUs only.
-  FUSED_EMA_FORCE_CUDA=1 "$py" -m pip install -q --no-build-isolation --no-deps -e . || return 1
+  # setup.py picks a compiler whose libstdc++ matches the one loaded at run time (the image's
+  # Python names its own newer GCC) and says so in its "fused_ema:" lines.
+  FUSED_EMA_FORCE_CUDA=1 "$py" -m pip install -v --no-build-isolation --no-deps -e . \
+    >"$out/pip-build.log" 2>&1 || { tail -n 40 "$out/pip-build.log"; return 1; }
+  grep -o "fused_ema: .*" "$out/pip-build.log"
   "$py" -m fused_ema | tee "$out/build_info.json"
   built
 }

@@ -19,7 +19,7 @@ WANTED = {
 def short_name(kernel: str) -> str:
     """multi_tensor_kernel<fused_ema::cuda::LerpOp<float, __nv_bfloat16>, 1024> -> LerpOp<...>"""
     kernel = re.sub(r"fused_ema::cuda::", "", kernel)
-    m = re.search(r"multi_tensor_kernel<(.*)>", kernel)
+    m = re.search(r"multi_tensor_kernel<(.+?)>\(", kernel)
     return m.group(1) if m else kernel[:80]
 
 

@@ -48,9 +48,19 @@ FUSED_EMA_HOST_DEVICE inline Words group_words(uint64_t seed, uint64_t step, uin
                        hi32(seed));
 }
 
+// Word `lane` of a group, by selects: an indexed load would put the words in GPU local memory.
+FUSED_EMA_HOST_DEVICE inline uint32_t word_at(const Words& words, int lane) {
+  uint32_t out = words.w[0];
+  for (int j = 1; j < kWordsPerCall; ++j) {
+    out = lane == j ? words.w[j] : out;
+  }
+  return out;
+}
+
 FUSED_EMA_HOST_DEVICE inline uint32_t element_word(uint64_t seed, uint64_t step, uint32_t key,
                                                    uint64_t element) {
-  return group_words(seed, step, key, element / kWordsPerCall).w[element % kWordsPerCall];
+  return word_at(group_words(seed, step, key, element / kWordsPerCall),
+                 static_cast<int>(element % kWordsPerCall));
 }
 
 constexpr uint32_t kF32SignMask = 0x80000000u;

@@ -188,6 +188,17 @@ FUSED_EMA_HOST_DEVICE inline BlockWork block_work(const Meta& meta, int32_t bloc
 template <typename Op, int kCapacity>
 using MetaOf = LaunchMeta<kCapacity, typename Op::extra_t>;
 
+// Resident blocks per SM an op's kernel is compiled for: Op::kMinBlocksPerSM where the op sets
+// it (benchmarks/cuda/sr_variants.cu tries others), else kMinBlocksPerSM.
+template <typename Op, typename = void>
+struct MinBlocksPerSM {
+  static constexpr int value = kMinBlocksPerSM;
+};
+template <typename Op>
+struct MinBlocksPerSM<Op, std::void_t<decltype(Op::kMinBlocksPerSM)>> {
+  static constexpr int value = Op::kMinBlocksPerSM;
+};
+
 // Ops without per-tensor data bind from their own fields; others also from the block's tensor.
 template <typename Op, typename Meta>
 FUSED_EMA_HOST_DEVICE auto bind_op(const Op& op, const Meta& meta, int t) {
@@ -217,7 +228,7 @@ FUSED_EMA_HOST_DEVICE E apply_one(const F& f, E e, S s, int64_t i) {
 // inlined or not, it took ptxas from 38 to 61 registers for a stochastic kernel on sm_80.)
 #if defined(__CUDACC__)
 template <typename Op, int kCapacity>
-__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSM)
+__global__ void __launch_bounds__(kBlockThreads, MinBlocksPerSM<Op>::value)
     multi_tensor_kernel(const FUSED_EMA_GRID_CONSTANT MetaOf<Op, kCapacity> meta, const Op op) {
   const auto block = static_cast<int32_t>(blockIdx.x);
   const unsigned thread = threadIdx.x;

@@ -38,17 +38,6 @@ FUSED_EMA_HOST_DEVICE inline __half from_sr_bits(uint32_t bits, uint32_t word, _
   return __ushort_as_half(sr::round_f16(bits, word));
 }
 
-// Word i (0 <= i < 8) of two consecutive groups, by selects rather than a run-time index (which
-// would put the words in local memory).
-FUSED_EMA_HOST_DEVICE inline uint32_t word_of_two(const sr::Words& a, const sr::Words& b, int i) {
-  uint32_t out = a.w[0];
-#pragma unroll
-  for (int j = 1; j < 2 * sr::kWordsPerCall; ++j) {
-    out = i == j ? (j < sr::kWordsPerCall ? a.w[j] : b.w[j - sr::kWordsPerCall]) : out;
-  }
-  return out;
-}
-
 // The EMA types lerp_stochastic_ rounds stochastically; others get the plain lerp.
 template <typename E>
 constexpr bool kRoundsStochastically =
@@ -108,9 +97,10 @@ struct LerpStochasticOp {
         }
         return;
       }
-      // Rare (a shard whose offset is not a multiple of 4): one Philox call per element keeps
-      // the registers within the occupancy target.
-#pragma unroll 1
+      // Rare (a shard whose offset is not a multiple of 4): one Philox call per element. Unrolled,
+      // like the rest: a run-time index into the packs would move them to local memory, on the
+      // common path too.
+#pragma unroll
       for (int k = 0; k < N; ++k) {
         e.v[k] = (*this)(e.v[k], s.v[k], first + k);
       }
