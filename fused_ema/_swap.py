@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._dtensor import copy_into, is_dtensor, local, replica_cut
+from ._grad import grad_enabled, set_grad_enabled
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -60,7 +61,9 @@ class Swap:
     def swap_in(self) -> None:
         shared = _shared_storage(self._pairs)
         try:
-            with torch.no_grad():
+            grad = grad_enabled()  # restored whatever happens (see _grad.py)
+            try:
+                set_grad_enabled(False)
                 if self._gathered:
                     self._gather_in()
                 for name, ema, target in self._pairs:
@@ -71,6 +74,8 @@ class Swap:
                     else:
                         self._saved.append((t, t.clone()))
                         copy_into(target, ema)
+            finally:
+                set_grad_enabled(grad)
         except BaseException:
             self.swap_out()
             raise
@@ -85,7 +90,9 @@ class Swap:
         gather_into(self._gathered)
 
     def swap_out(self) -> None:
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             slices, self._slices = self._slices, None
             if slices is not None:
                 slices.restore()
@@ -93,6 +100,8 @@ class Swap:
                 self._exchange(t, e)
             for t, original in reversed(self._saved):
                 t.copy_(original)
+        finally:
+            set_grad_enabled(grad)
         self._exchanged, self._saved, self._scratch = [], [], {}
 
     def _exchange(self, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -170,11 +179,17 @@ def copy_all(pairs) -> None:
     if gathered:
         from ._shard import gather_into
 
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             gather_into(gathered)
+        finally:
+            set_grad_enabled(grad)
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
     done = 0
-    with torch.no_grad():
+    grad = grad_enabled()  # restored whatever happens (see _grad.py)
+    try:
+        set_grad_enabled(False)
         try:
             for _, ema, target in pairs:
                 copy_into(target, ema)
@@ -183,3 +198,5 @@ def copy_all(pairs) -> None:
             for _, ema, target in pairs[done:]:
                 copy_into(target, ema)
             raise
+    finally:
+        set_grad_enabled(grad)

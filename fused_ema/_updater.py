@@ -11,6 +11,7 @@ import torch
 
 from ._async import AsyncRunner
 from ._dtensor import reshard_fsdp
+from ._grad import grad_enabled, set_grad_enabled
 from ._model_walk import tensor_walk
 from ._swap import Swap, check_writable
 
@@ -43,7 +44,9 @@ class Updater:
         step = schedule.check_step(step)
         walk, names = self.binding.walk(model, non_blocking)
         plan, undo = None, None
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             try:
                 plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, schedule)
                 if values is not None and len(values) != len(walk):
@@ -67,6 +70,8 @@ class Updater:
                     if undo is not None:
                         undo()  # a resync that the failed update made is undone too
                 raise
+        finally:
+            set_grad_enabled(grad)
         schedule.commit()
 
     def trace(self, model, step, key: int) -> None:
