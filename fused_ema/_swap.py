@@ -90,19 +90,26 @@ class Swap:
         gather_into(self._gathered)
 
     def swap_out(self) -> None:
+        """Puts the model's values back, latest write first. Resumable: a write is forgotten only
+        once undone (each exchange is all or nothing, a saved copy can be written twice), so
+        after an interrupt, calling it again finishes the job (ModelEma.swapped does)."""
         grad = grad_enabled()  # restored whatever happens (see _grad.py)
         try:
             set_grad_enabled(False)
             slices, self._slices = self._slices, None
             if slices is not None:
                 slices.restore()
-            for t, e in reversed(self._exchanged):
+            while self._exchanged:
+                t, e = self._exchanged[-1]
                 self._exchange(t, e)
-            for t, original in reversed(self._saved):
+                self._exchanged.pop()
+            while self._saved:
+                t, original = self._saved[-1]
                 t.copy_(original)
+                self._saved.pop()
         finally:
             set_grad_enabled(grad)
-        self._exchanged, self._saved, self._scratch = [], [], {}
+        self._scratch = {}
 
     def _exchange(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.numel() == 0:
@@ -138,12 +145,21 @@ def _exchangeable(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _exchange_chunk(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
-    scratch.copy_(a)
-    a.copy_(b)
+    """a and b exchange values through scratch, all or nothing: whatever raises (a copy, or an
+    interrupt landing after any of them, even the last) leaves both as they were. `copied` counts
+    the copies known to be done; the next one may have run too, and is undone either way."""
+    copied = 0
     try:
+        scratch.copy_(a)
+        copied = 1
+        a.copy_(b)
+        copied = 2
         b.copy_(scratch)
     except BaseException:
-        a.copy_(scratch)
+        if copied == 2:  # a holds b's values; b its own or a's
+            b.copy_(a)
+        if copied >= 1:
+            a.copy_(scratch)
         raise
 
 

@@ -119,7 +119,20 @@ class Updater:
         try:
             yield model
         finally:
-            swap.swap_out()
-            # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's weights.
-            reshard_fsdp(model)
-            self.swapped = False
+            # Finished even if an interrupt lands in it: swap_out resumes where it stopped, and
+            # the interrupt propagates once the model and the EMA hold their own values again.
+            interrupt = None
+            while True:
+                try:
+                    swap.swap_out()
+                    self.swapped = False
+                    # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's
+                    # weights.
+                    reshard_fsdp(model)
+                    break
+                except BaseException as err:
+                    if isinstance(err, Exception):
+                        raise  # a failure, not an interrupt: retrying would not help
+                    interrupt = err
+            if interrupt is not None:
+                raise interrupt
