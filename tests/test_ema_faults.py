@@ -439,57 +439,35 @@ def test_an_interrupt_anywhere_leaves_the_callers_grad_mode(name, grad):
     """Deterministic: each call is interrupted at every point where a signal handler can run
     inside it, in turn; the caller's grad mode must be as it was after every one."""
     call = GRAD_MODE_CALLS[name]
-    objects = {}
-
-    def setup():
-        with torch.enable_grad():  # it trains
-            model, ema = moved_ema(on_mismatch="resync")
-            target = _changed_copy(model) if name in ("copy_to", "swapped") else model
-        objects.update(ema=ema, target=target)
+    model, ema = moved_ema(on_mismatch="resync")
+    target = _changed_copy(model) if name in ("copy_to", "swapped") else model
 
     def grad_mode_kept(interrupted):
         assert torch.is_grad_enabled() is grad, f"grad mode changed ({interrupted=})"
         assert not torch.is_inference_mode_enabled()
-        if name == "swapped" and objects["ema"]._updater.swapped:
-            setup()  # a fresh pair: an interrupt can leave this one swapped (see below)
 
-    setup()
     with torch.set_grad_enabled(grad):
-        fired = interrupted_everywhere(
-            lambda: call(objects["ema"], objects["target"]), grad_mode_kept
-        )
+        fired = interrupted_everywhere(lambda: call(ema, target), grad_mode_kept)
     assert len(fired) > 10
     if grad:  # some interrupts landed where the call had switched autograd off
         assert any(hook.grad_when_fired is False for hook in fired)
 
 
 @ignore_dropped
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, not fixed yet: an interrupt right after a chunk copy in _exchange_chunk, "
-    "or anywhere in swap_out() or the reshard after it, leaves EMA and model mixed or the EMA "
-    "stuck as swapped",
-)
 def test_an_interrupt_anywhere_in_swapped_restores_both_sides():
-    """Deterministic: swapped() interrupted at any point leaves the EMA and the model as they
-    were, and the EMA usable."""
-    objects = {}
-
-    def setup():
-        model, ema = moved_ema()
-        target = _changed_copy(model)
-        objects.update(model=model, ema=ema, target=target)
-        objects.update(before=state_of(ema), values=model_values(target))
+    """Deterministic: swapped() interrupted at any point (its swap-in, the block's exit, the
+    restore) leaves the EMA and the model as they were, and the EMA usable."""
+    model, ema = moved_ema()
+    target = _changed_copy(model)
+    values, before = model_values(target), [state_of(ema)]
 
     def restored(interrupted):
-        ema, target = objects["ema"], objects["target"]
-        assert_same_state(ema, objects["before"])
-        assert_model_unchanged(target, objects["values"])
-        ema.update(objects["model"])  # still usable
-        objects.update(before=state_of(ema))
+        assert_same_state(ema, before[0])
+        assert_model_unchanged(target, values)
+        ema.update(model)  # still usable
+        before[0] = state_of(ema)
 
-    setup()
-    interrupted_everywhere(lambda: _swapped(objects["ema"], objects["target"]), restored)
+    interrupted_everywhere(lambda: _swapped(ema, target), restored)
 
 
 @ignore_dropped
