@@ -29,7 +29,7 @@ try:
     )
 except ImportError:
     sys.exit(
-        "fused_ema builds against an installed torch >= 2.13. Install torch first, then run "
+        "fused_ema builds against an installed torch >= 2.11. Install torch first, then run "
         "`pip install --no-build-isolation .` (build isolation would download another torch)."
     )
 

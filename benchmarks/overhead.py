@@ -9,6 +9,9 @@ unchanged model takes (_C.walk_unchanged) and the full one a changed model falls
 one torch thread: on a shared machine, wall time and OpenMP barriers would measure the other
 tenants instead of the bookkeeping.
 
+On Python 3.12+ there is no walk cache (it reads CPython's dict versions, which 3.12 deprecates):
+every update takes the full walk check, and the cached one is reported n/a with that reason.
+
     python -m benchmarks.overhead [--sizes 100,1000,10000,100000] [--out benchmarks/out]
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -44,6 +48,18 @@ CONTENDERS = (
 )
 # The acceptance ratio: an update over the fused call it makes.
 RATIO = ("ModelEma.update", "fused_ema.lerp_")
+CACHED_CHECK = "cached walk check"
+
+
+def walk_cache_missing() -> str | None:
+    """Why this Python has no walk cache (so CACHED_CHECK cannot be measured), or None."""
+    if sys.version_info >= (3, 12):
+        return (
+            f"n/a: no walk cache on Python {sys.version_info.major}.{sys.version_info.minor} "
+            "(it reads CPython's dict versions, deprecated in 3.12); every update takes the "
+            "full walk check"
+        )
+    return None
 
 
 def build_model(tensors: int) -> nn.Module:
@@ -55,7 +71,8 @@ def build_model(tensors: int) -> nn.Module:
     return nn.Sequential(*(nn.ModuleList(blocks[i : i + 8]) for i in range(0, len(blocks), 8)))
 
 
-def steps(model: nn.Module) -> dict:
+def steps(model: nn.Module) -> tuple[dict, dict]:
+    """The timed calls by contender name, and why each contender left out was left out."""
     ema_model = fused_ema.ModelEma(model, DECAY)
     # The very tensors ModelEma.update averages: its EMA tensors and the model's parameters.
     ema = list(ema_model.module.parameters())
@@ -66,7 +83,10 @@ def steps(model: nn.Module) -> dict:
     refs = tuple(None if t is None else weakref.ref(t) for t in walk)
     signature = _C.walk_signature(walk)
     indices = tuple(i for i, t in enumerate(walk) if t is not None)
-    cache = _C.walk_cache(model, True, walk)
+    cache = _C.walk_cache(model, True, walk)  # None where this Python has no walk cache
+    unavailable = {}
+    if cache is None:
+        unavailable[CACHED_CHECK] = walk_cache_missing() or "n/a: walk_cache declined this model"
 
     def walk_check():
         current = _C.tensor_walk(model, True)
@@ -76,7 +96,7 @@ def steps(model: nn.Module) -> dict:
     def cached_check():
         assert _C.walk_unchanged(cache, model) is not None
 
-    return {
+    timed = {
         "fused_ema.lerp_": lambda: fused_ema.lerp_(ema, src, 1 - DECAY),
         # Every check, the plan, the version bumps and the references, but no kernel: a zero
         # weight leaves the EMA as it is without touching the data.
@@ -85,10 +105,11 @@ def steps(model: nn.Module) -> dict:
         "one flat tensor": lambda: fused_ema.lerp_([flat_ema], [flat_src], 1 - DECAY),
         "torch._foreach_lerp_": lambda: torch._foreach_lerp_(ema, src, 1 - DECAY),
         "ModelEma.update": lambda: ema_model.update(model),
-        "cached walk check": cached_check,
+        CACHED_CHECK: cached_check,
         "full C walk check": walk_check,
         "Python tensor_walk": lambda: tensor_walk(model, True),
     }
+    return {k: fn for k, fn in timed.items() if k not in unavailable}, unavailable
 
 
 def repeated(fn, times: int):
@@ -120,16 +141,38 @@ def measure(tensors: int, rounds: int, reps: int, on_round) -> dict:
     model = build_model(tensors)
     count = sum(1 for _ in model.parameters())
     inner = max(1, 4_000 // count)  # calls per sample: keeps timer overhead out of tiny calls
-    timed = {name: repeated(fn, inner) for name, fn in steps(model).items()}
+    calls, unavailable = steps(model)
+    timed = {name: repeated(fn, inner) for name, fn in calls.items()}
     with torch.no_grad():  # as ModelEma.update runs (foreach would record the model's grads)
         samples = cpu_interleaved(timed, rounds, reps, on_round)
     row = {"tensors": count, "calls_per_sample": inner}
-    for name, times in samples.items():
-        stats = summary([t / inner for t in times])
+    for name in CONTENDERS:
+        if name in unavailable:
+            row[name] = {"status": unavailable[name]}
+            continue
+        stats = {"status": "ok", **summary([t / inner for t in samples[name]])}
         stats["ns_per_tensor"] = stats["median_ms"] * 1e6 / count
         row[name] = stats
     row["update_over_lerp"] = row[RATIO[0]]["median_ms"] / row[RATIO[1]]["median_ms"]
     return row
+
+
+def cell(stats: dict, width: int = 0) -> str:
+    """A contender's ns per tensor, or n/a."""
+    spec = str(width) if width else ""
+    if "ns_per_tensor" not in stats:
+        return f"{'n/a':>{spec}}"
+    return f"{stats['ns_per_tensor']:{spec}.1f}"
+
+
+def not_measured(record: dict) -> list[str]:
+    """One line per contender left out of some row, with why."""
+    reasons = {}
+    for row in record["rows"]:
+        for name in CONTENDERS:
+            if row[name]["status"] != "ok":
+                reasons.setdefault(name, row[name]["status"])
+    return [f"{name}: {reason}" for name, reason in reasons.items()]
 
 
 def table(record: dict) -> str:
@@ -137,9 +180,9 @@ def table(record: dict) -> str:
     header += f" {'update / lerp_':>15}"
     lines = ["median ns (thread CPU time) per model tensor", header, "-" * len(header)]
     for row in record["rows"]:
-        cells = " ".join(f"{row[name]['ns_per_tensor']:20.1f}" for name in CONTENDERS)
+        cells = " ".join(cell(row[name], 20) for name in CONTENDERS)
         lines.append(f"{row['tensors']:8d} {cells} {row['update_over_lerp']:14.2f}x")
-    return "\n".join(lines)
+    return "\n".join(lines + not_measured(record))
 
 
 def markdown(record: dict) -> str:
@@ -155,8 +198,11 @@ def markdown(record: dict) -> str:
         "|---:|" + "---:|" * (len(CONTENDERS) + 1),
     ]
     for row in record["rows"]:
-        cells = " | ".join(f"{row[name]['ns_per_tensor']:.1f}" for name in CONTENDERS)
+        cells = " | ".join(cell(row[name]) for name in CONTENDERS)
         lines.append(f"| {row['tensors']:,} | {cells} | {row['update_over_lerp']:.2f}x |")
+    notes = not_measured(record)
+    if notes:
+        lines += ["", *(f"- {note}" for note in notes)]
     return "\n".join(lines) + "\n"
 
 

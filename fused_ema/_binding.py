@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ._dtensor import is_dtensor, local, refuse_unsharded
+from ._grad import grad_enabled, set_grad_enabled
 from ._loader import _C
 from ._model_walk import named_tensors
 from ._module_view import EmaForwardCheck, SwappedModelView, build_module
@@ -33,8 +34,12 @@ class Binding:
         tracked = policy.select(named_tensors(model, self.with_buffers), warn_unused=True)
         if policy.shard is not None:
             policy.shard.check_replicated(tracked)
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             self.table = self._packed(EntryTable([policy.new_entry(t) for t in tracked]))
+        finally:
+            set_grad_enabled(grad)
         self.plan: UpdatePlan | None = None
         self.model_ref = weakref.ref(model)
         self.module = self._build_module(ema, self.table.entries, model)
@@ -100,8 +105,12 @@ class Binding:
                     renamed=changes.renamed,
                     hint=_RESYNC_HINT,
                 )
-            with torch.no_grad():
+            grad = grad_enabled()  # restored whatever happens (see _grad.py)
+            try:
+                set_grad_enabled(False)
                 table = self._packed(table.followed(tracked, self.policy))
+            finally:
+                set_grad_enabled(grad)
         plan, undo = self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
         plan.remember(model, walk, self.with_buffers)
         return plan, undo
@@ -109,8 +118,12 @@ class Binding:
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)
         refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             table = self._packed(self.table.followed(tracked, self.policy))
+        finally:
+            set_grad_enabled(grad)
         self.adopt(ema, model, table, tracked, schedule)
 
     def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ._grad import grad_enabled, set_grad_enabled
+
 try:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Partial, distribute_tensor
@@ -183,7 +185,9 @@ def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> d
     keep = rank is None or not distributed or dist.get_rank() == rank
     out = {}
     gathered: dict = {}
-    with torch.no_grad():
+    grad = grad_enabled()  # restored whatever happens (see _grad.py)
+    try:
+        set_grad_enabled(False)
         replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
         if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
             from ._shard import gather_into
@@ -210,6 +214,8 @@ def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> d
                 value = value.clone()  # a copy, never the live EMA
             for name in entry.names:
                 out[name] = value
+    finally:
+        set_grad_enabled(grad)
     return out
 
 

@@ -10,6 +10,7 @@ import operator
 
 import torch
 
+from ._grad import grad_enabled, set_grad_enabled
 from ._loader import _C
 
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
@@ -169,8 +170,12 @@ class Schedule:
         self.config = torch.tensor(_config_values(self.options), dtype=torch.float64)
         self.config = self.config.to(device)
         self.weight = self.out[:1]  # what the fused kernel reads: no host sync
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             self._compute(advance=False)
+        finally:
+            set_grad_enabled(grad)
 
     @property
     def device(self) -> torch.device:
@@ -280,7 +285,9 @@ class Schedule:
 
     def load(self, options: dict | None, step: int | None) -> None:
         """Applies already validated options and step."""
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             if options is not None:
                 config = torch.tensor(_config_values(options), dtype=torch.float64)
                 self.config.copy_(config)
@@ -288,3 +295,5 @@ class Schedule:
             if step is not None:
                 self.step.fill_(step)
             self._compute(advance=False)
+        finally:
+            set_grad_enabled(grad)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ._dtensor import local, sharding
+from ._grad import grad_enabled, set_grad_enabled
 from ._model_walk import named_tensors
 from .ops import lerp_
 
@@ -31,7 +30,9 @@ def ema_stats(entries, step: int, decay: float, configured_decay: float, model=N
     weight = 1.0 - (decay or configured_decay)
     diff2 = ref2 = 0.0
     unchanged = total = 0
-    with torch.no_grad():
+    grad = grad_enabled()  # restored whatever happens (see _grad.py)
+    try:
+        set_grad_enabled(False)
         for e in averaged:
             m = current.get(e.name)
             if m is None or m.tensor.shape != e.ema.shape or sharding(m.tensor) != sharding(e.ema):
@@ -49,6 +50,8 @@ def ema_stats(entries, step: int, decay: float, configured_decay: float, model=N
             for t in current.values()
             if t.tensor.is_floating_point()
         )
+    finally:
+        set_grad_enabled(grad)
     stats["relative_distance"] = math.sqrt(diff2 / ref2) if ref2 > 0 else 0.0
     stats["unchanged_fraction"] = unchanged / total if total else 0.0
     return stats

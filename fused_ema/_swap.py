@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._dtensor import copy_into, is_dtensor, local, replica_cut
+from ._grad import grad_enabled, set_grad_enabled
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -60,7 +61,9 @@ class Swap:
     def swap_in(self) -> None:
         shared = _shared_storage(self._pairs)
         try:
-            with torch.no_grad():
+            grad = grad_enabled()  # restored whatever happens (see _grad.py)
+            try:
+                set_grad_enabled(False)
                 if self._gathered:
                     self._gather_in()
                 for name, ema, target in self._pairs:
@@ -71,6 +74,8 @@ class Swap:
                     else:
                         self._saved.append((t, t.clone()))
                         copy_into(target, ema)
+            finally:
+                set_grad_enabled(grad)
         except BaseException:
             self.swap_out()
             raise
@@ -85,15 +90,26 @@ class Swap:
         gather_into(self._gathered)
 
     def swap_out(self) -> None:
-        with torch.no_grad():
+        """Puts the model's values back, latest write first. Resumable: a write is forgotten only
+        once undone (each exchange is all or nothing, a saved copy can be written twice), so
+        after an interrupt, calling it again finishes the job (ModelEma.swapped does)."""
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             slices, self._slices = self._slices, None
             if slices is not None:
                 slices.restore()
-            for t, e in reversed(self._exchanged):
+            while self._exchanged:
+                t, e = self._exchanged[-1]
                 self._exchange(t, e)
-            for t, original in reversed(self._saved):
+                self._exchanged.pop()
+            while self._saved:
+                t, original = self._saved[-1]
                 t.copy_(original)
-        self._exchanged, self._saved, self._scratch = [], [], {}
+                self._saved.pop()
+        finally:
+            set_grad_enabled(grad)
+        self._scratch = {}
 
     def _exchange(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.numel() == 0:
@@ -129,12 +145,21 @@ def _exchangeable(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _exchange_chunk(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
-    scratch.copy_(a)
-    a.copy_(b)
+    """a and b exchange values through scratch, all or nothing: whatever raises (a copy, or an
+    interrupt landing after any of them, even the last) leaves both as they were. `copied` counts
+    the copies known to be done; the next one may have run too, and is undone either way."""
+    copied = 0
     try:
+        scratch.copy_(a)
+        copied = 1
+        a.copy_(b)
+        copied = 2
         b.copy_(scratch)
     except BaseException:
-        a.copy_(scratch)
+        if copied == 2:  # a holds b's values; b its own or a's
+            b.copy_(a)
+        if copied >= 1:
+            a.copy_(scratch)
         raise
 
 
@@ -170,11 +195,17 @@ def copy_all(pairs) -> None:
     if gathered:
         from ._shard import gather_into
 
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             gather_into(gathered)
+        finally:
+            set_grad_enabled(grad)
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
     done = 0
-    with torch.no_grad():
+    grad = grad_enabled()  # restored whatever happens (see _grad.py)
+    try:
+        set_grad_enabled(False)
         try:
             for _, ema, target in pairs:
                 copy_into(target, ema)
@@ -183,3 +214,5 @@ def copy_all(pairs) -> None:
             for _, ema, target in pairs[done:]:
                 copy_into(target, ema)
             raise
+    finally:
+        set_grad_enabled(grad)

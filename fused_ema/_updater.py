@@ -11,6 +11,7 @@ import torch
 
 from ._async import AsyncRunner
 from ._dtensor import reshard_fsdp
+from ._grad import grad_enabled, set_grad_enabled
 from ._model_walk import tensor_walk
 from ._swap import Swap, check_writable
 
@@ -43,7 +44,9 @@ class Updater:
         step = schedule.check_step(step)
         walk, names = self.binding.walk(model, non_blocking)
         plan, undo = None, None
-        with torch.no_grad():
+        grad = grad_enabled()  # restored whatever happens (see _grad.py)
+        try:
+            set_grad_enabled(False)
             try:
                 plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, schedule)
                 if values is not None and len(values) != len(walk):
@@ -67,6 +70,8 @@ class Updater:
                     if undo is not None:
                         undo()  # a resync that the failed update made is undone too
                 raise
+        finally:
+            set_grad_enabled(grad)
         schedule.commit()
 
     def trace(self, model, step, key: int) -> None:
@@ -114,7 +119,20 @@ class Updater:
         try:
             yield model
         finally:
-            swap.swap_out()
-            # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's weights.
-            reshard_fsdp(model)
-            self.swapped = False
+            # Finished even if an interrupt lands in it: swap_out resumes where it stopped, and
+            # the interrupt propagates once the model and the EMA hold their own values again.
+            interrupt = None
+            while True:
+                try:
+                    swap.swap_out()
+                    self.swapped = False
+                    # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's
+                    # weights.
+                    reshard_fsdp(model)
+                    break
+                except BaseException as err:
+                    if isinstance(err, Exception):
+                        raise  # a failure, not an interrupt: retrying would not help
+                    interrupt = err
+            if interrupt is not None:
+                raise interrupt

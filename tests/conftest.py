@@ -1,5 +1,9 @@
-"""Shared test fixtures: the device list (cuda only where it exists), the dtype pairs, and an
-independent float64 reference for the lerp."""
+"""Shared test fixtures: the device list (cuda only where it exists), the dtype pairs, an
+independent float64 reference for the lerp, and a guard that no test leaves the process-wide
+state it could disturb (grad mode, inference mode, the SIGALRM handler and timer) changed."""
+
+import signal
+import threading
 
 import pytest
 import torch
@@ -24,6 +28,40 @@ def device(request):
 @pytest.fixture(params=DTYPE_PAIRS, ids=pair_id)
 def dtype_pair(request):
     return request.param
+
+
+def _global_state() -> dict:
+    state = {
+        "grad mode (torch.is_grad_enabled())": torch.is_grad_enabled(),
+        "inference mode (torch.is_inference_mode_enabled())": torch.is_inference_mode_enabled(),
+    }
+    if hasattr(signal, "SIGALRM"):
+        state["the SIGALRM handler"] = signal.getsignal(signal.SIGALRM)
+        state["an armed ITIMER_REAL timer"] = signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0)
+    return state
+
+
+def _restore_global_state(before: dict) -> None:
+    """What can be put back from here (inference mode is a guard object: only its owner ends it)."""
+    torch.set_grad_enabled(before["grad mode (torch.is_grad_enabled())"])
+    if hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread():
+        if not before["an armed ITIMER_REAL timer"]:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before["the SIGALRM handler"])
+
+
+@pytest.fixture(autouse=True)
+def leaves_global_state_as_found():
+    """Every test: what it changed of the process-wide state is put back where it can be, so it
+    cannot break the tests after it (a grad mode left off fails dozens of them with "element 0 of
+    tensors does not require grad"), and the test that changed it fails, naming what."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = [f"{k}: {before[k]!r} -> {after[k]!r}" for k in before if after[k] != before[k]]
+    if changed:
+        _restore_global_state(before)
+        pytest.fail("the test left process-wide state changed: " + "; ".join(changed))
 
 
 @pytest.fixture

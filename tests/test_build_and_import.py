@@ -1,6 +1,7 @@
 """build_info() reports what was compiled; importing fused_ema without its compiled kernels
 fails with an ImportError that says how to build, never with a silent fallback."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,24 @@ def test_build_info_reports_the_compiled_kernels():
         assert info["cuda_kernel"], "a GPU is visible but fused_ema was built without CUDA"
     # The build's own torch version must be the one running (ABI).
     assert torch.__version__.startswith(info["torch_version_built"])
+
+
+def _minor_version(text: str) -> tuple:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+
+def test_the_stated_floors_agree_and_hold_here():
+    """pyproject.toml's torch and Python floors are the ones setup.py and the README state, and
+    the running torch and Python meet them."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    torch_floor = re.search(r'^dependencies = \["torch>=([\d.]+)"\]$', pyproject, re.M).group(1)
+    python_floor = re.search(r'^requires-python = ">=([\d.]+)"$', pyproject, re.M).group(1)
+    assert f"installed torch >= {torch_floor}." in (ROOT / "setup.py").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert f"(>= {torch_floor}, Python >= {python_floor};" in readme
+    assert f"Python {python_floor}+ and a C++ compiler" in readme
+    assert _minor_version(torch.__version__) >= _minor_version(torch_floor)
+    assert sys.version_info[:2] >= _minor_version(python_floor)
 
 
 def test_build_info_cpu_kernel_answers_through_the_dispatcher():

@@ -4,9 +4,11 @@ tensors, step and schedule, and the model, bit-identical to before, and the EMA 
 
 import copy
 import gc
+import itertools
 import math
 import pickle
 import signal
+import sys
 import threading
 import weakref
 
@@ -306,21 +308,30 @@ def test_an_interrupt_during_an_update_is_all_or_nothing(delay_ms):
     reference = {k: v.double().clone() for k, v in ema.state_dict()["weights"].items()}
     target = {k: v.double() for k, v in model.state_dict().items()}
 
+    # Only while armed: a signal that comes late (the timer fired as the update returned) is
+    # dropped instead of interrupting the test itself, which would end the pytest session.
+    armed = [False]
+
     def interrupt(*_):
-        raise KeyboardInterrupt
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     outcomes = set()
     try:
         for _ in range(6):
             step = ema.step
-            signal.setitimer(signal.ITIMER_REAL, delay_ms / 1000)
             try:
+                armed[0] = True
+                signal.setitimer(signal.ITIMER_REAL, delay_ms / 1000)
                 ema.update(model)
             except KeyboardInterrupt:
                 outcomes.add("interrupted")
             finally:
+                armed[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
+            assert torch.is_grad_enabled(), "the interrupt left the caller's grad mode off"
             weights = ema.state_dict()["weights"]
             if ema.step == step + 1:
                 weight = 1.0 if step == 0 else 0.25
@@ -332,6 +343,157 @@ def test_an_interrupt_during_an_update_is_all_or_nothing(delay_ms):
                 torch.testing.assert_close(weights[k], v, rtol=1e-12, atol=1e-12)
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+class InterruptAt:
+    """A profile function (sys.setprofile) that raises KeyboardInterrupt at the n-th point of the
+    profiled call where CPython can run a signal handler: a Python function starting ("call",
+    its RESUME) or a call into C returning ("c_return", the check after a CALL). Profiling stops
+    once it has raised, so each run is interrupted once, as by one signal."""
+
+    def __init__(self, n: int):
+        self.n, self.seen, self.grad_when_fired = n, 0, None
+
+    def __call__(self, frame, event, arg):
+        if event in ("call", "c_return"):
+            self.seen += 1
+            if self.seen == self.n:
+                self.grad_when_fired = torch.is_grad_enabled()
+                raise KeyboardInterrupt
+
+
+def interrupted_everywhere(call, after_each=lambda interrupted: None, limit=100_000):
+    """Runs `call()` interrupted at its 1st, 2nd, 3rd... point (InterruptAt), then once more past
+    its last one (it completes), calling `after_each(interrupted)` after every run. Returns the
+    hooks that fired."""
+    fired = []
+    for n in itertools.count(1):
+        assert n < limit, "the call never completed"
+        hook = InterruptAt(n)
+        sys.setprofile(hook)
+        try:
+            call()
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.setprofile(None)
+        after_each(interrupted)
+        if hook.seen < n:  # it ran to its end without reaching the n-th point
+            assert not interrupted
+            return fired
+        fired.append(hook)
+
+
+# CPython prints and drops an interrupt that lands in a weakref callback or __del__ run inside
+# the call (as it does a real signal's); pytest would warn about each.
+ignore_dropped = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _swapped(ema, model):
+    with ema.swapped(model):
+        pass
+
+
+def _resynced_update(ema, model):
+    model[3].bias = nn.Parameter(model[3].bias.detach().clone())  # a replaced parameter
+    ema.update(model)
+
+
+def _changed_copy(model):
+    other = copy.deepcopy(model)
+    trained(other, 1, seed=3)
+    return other
+
+
+# Every public call that switches grad mode off for its own work.
+GRAD_MODE_CALLS = {
+    "ModelEma()": lambda ema, model: fused_ema.ModelEma(model, decay=0.9),
+    "update": lambda ema, model: ema.update(model),
+    "update(step=)": lambda ema, model: ema.update(model, step=7),
+    "update resyncing": _resynced_update,
+    "resync": lambda ema, model: ema.resync(model),
+    "set": lambda ema, model: ema.set(model),
+    "copy_to": lambda ema, model: ema.copy_to(model),
+    "swapped": _swapped,
+    "load_state_dict": lambda ema, model: ema.load_state_dict(ema.state_dict()),
+    "full_state_dict": lambda ema, model: ema.full_state_dict(),
+    "stats": lambda ema, model: ema.stats(model),
+}
+
+
+# With grad mode off the calls must leave it off (not switch it back on): two of them suffice.
+GRAD_MODE_CASES = [(name, True) for name in GRAD_MODE_CALLS] + [
+    ("update", False),
+    ("swapped", False),
+]
+
+
+@ignore_dropped
+@pytest.mark.parametrize(
+    "name, grad",
+    GRAD_MODE_CASES,
+    ids=[f"{n}-grad-{'on' if g else 'off'}" for n, g in GRAD_MODE_CASES],
+)
+def test_an_interrupt_anywhere_leaves_the_callers_grad_mode(name, grad):
+    """Deterministic: each call is interrupted at every point where a signal handler can run
+    inside it, in turn; the caller's grad mode must be as it was after every one."""
+    call = GRAD_MODE_CALLS[name]
+    model, ema = moved_ema(on_mismatch="resync")
+    target = _changed_copy(model) if name in ("copy_to", "swapped") else model
+
+    def grad_mode_kept(interrupted):
+        assert torch.is_grad_enabled() is grad, f"grad mode changed ({interrupted=})"
+        assert not torch.is_inference_mode_enabled()
+
+    with torch.set_grad_enabled(grad):
+        fired = interrupted_everywhere(lambda: call(ema, target), grad_mode_kept)
+    assert len(fired) > 10
+    if grad:  # some interrupts landed where the call had switched autograd off
+        assert any(hook.grad_when_fired is False for hook in fired)
+
+
+@ignore_dropped
+def test_an_interrupt_anywhere_in_swapped_restores_both_sides():
+    """Deterministic: swapped() interrupted at any point (its swap-in, the block's exit, the
+    restore) leaves the EMA and the model as they were, and the EMA usable."""
+    model, ema = moved_ema()
+    target = _changed_copy(model)
+    values, before = model_values(target), [state_of(ema)]
+
+    def restored(interrupted):
+        assert_same_state(ema, before[0])
+        assert_model_unchanged(target, values)
+        ema.update(model)  # still usable
+        before[0] = state_of(ema)
+
+    interrupted_everywhere(lambda: _swapped(ema, target), restored)
+
+
+@ignore_dropped
+def test_an_interrupt_anywhere_in_an_update_is_all_or_nothing():
+    """Deterministic, like the SIGALRM test above: after an update interrupted at any point, the
+    EMA is bitwise either as before or as one uninterrupted update makes it, and keeps working."""
+    model, ema = moved_ema(dtype=torch.float64)
+    twin = copy.deepcopy(ema)  # updated, uninterrupted, whenever ema's update went through
+    g = torch.Generator().manual_seed(11)
+    outcomes = set()
+
+    def perturb():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+
+    def compare(interrupted):
+        outcomes.add((interrupted, ema.step != twin.step))
+        if ema.step != twin.step:
+            twin.update(model)
+        assert_same_state(ema, state_of(twin))
+        perturb()
+
+    perturb()
+    interrupted_everywhere(lambda: ema.update(model), compare)
+    assert (True, False) in outcomes and (False, True) in outcomes
 
 
 def test_del_ema_frees_it_at_once_without_a_gc_pass():

@@ -7,7 +7,11 @@ timm is loaded from its one file timm/utils/model_ema.py (benchmarks/peers.py), 
 `import timm`, which imports torchvision; without timm installed those tests skip and say so."""
 
 import inspect
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from ema_helpers import TiedNet, small_mlp, train_step
 from peers import require, timm_model_ema
 
 STEPS = 200
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def round_to_nearest():
@@ -66,10 +71,39 @@ TIMM_SETTINGS = {
 }
 
 
+# Run in a fresh interpreter: loads timm's model_ema.py as the tests do, then names every
+# module of the timm or torchvision packages that is imported.
+LOAD_TIMM_ALONE = """
+import json, sys
+from benchmarks import peers
+module = peers.load_timm_model_ema()
+assert hasattr(module, "ModelEmaV3")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("timm", "torchvision"))))
+"""
+
+
 def test_timm_is_loaded_without_its_package():
+    """Loading timm's ModelEma file imports neither the timm package nor torchvision. Checked in a
+    fresh interpreter: in this one, other tests may have imported either (lightning imports
+    torchvision where it is installed), whatever the peers helper does."""
     module = timm_model_ema()
-    assert "timm" not in sys.modules and "torchvision" not in sys.modules
     assert peer_access.load_timm_model_ema() is module  # loaded once
+    paths = [str(ROOT), str(Path(fused_ema.__file__).resolve().parents[1])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_TIMM_ALONE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
+def test_timm_is_the_version_env_sh_pins():
+    timm_model_ema()
     assert peer_access.timm_version() == peer_access.TIMM_VERSION, "not the timm env.sh pins"
 
 
