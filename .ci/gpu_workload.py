@@ -73,8 +73,9 @@ def check_schedule(failures):
             rows.append(out.cpu().clone())
         if device == "cpu":
             want = torch.stack(rows)
-        # CUDA's pow is within 1 ulp of glibc's (correctly rounded) one, not bit-equal to it
-        elif not torch.allclose(torch.stack(rows), want, rtol=4e-16, atol=0):
+        # CUDA's pow (the power warmup) is within 2 ulp, not glibc's bit for bit; the weight,
+        # 1 - decay, carries that absolute error: allow a few ulp of 1.0
+        elif not torch.allclose(torch.stack(rows), want, rtol=0, atol=1e-15):
             failures.append(f"ema_schedule_ differs between CPU and CUDA: {rows} vs {want}")
 
 
