@@ -174,8 +174,10 @@ def choose_compiler() -> None:
     python_cxx = shutil.which(configured[0]) or configured[0]
     if os.path.realpath(python_cxx) == os.path.realpath(system_cxx):
         return
-    print(f"fused_ema: compiling with the system {system_cxx}, not Python's {python_cxx} "
-          "(set CXX to choose)")
+    print(
+        f"fused_ema: compiling with the system {system_cxx}, not Python's {python_cxx} "
+        "(set CXX to choose)"
+    )
     os.environ.update(CC=system_cc, CXX=system_cxx, LDSHARED=f"{system_cxx} -shared")
 
 

@@ -213,3 +213,18 @@ def test_timm_contender_is_the_real_class_and_checked():
     contender.prime()
     assert bench.check(contender, tied, seed=2).startswith("wrong")
     assert "twice a step" in contender.note
+
+
+def test_profile_of_one_update_is_written(tmp_path):
+    import gzip
+    import json
+
+    from benchmarks import profile_update
+
+    trace = profile_update.main(["--device", "cpu", "--out", str(tmp_path)])
+    with gzip.open(trace) as packed:
+        events = json.load(packed)["traceEvents"]
+    names = {event.get("name") for event in events}
+    assert "ModelEma.update" in names and "fused_ema::lerp_" in names, sorted(map(str, names))[:40]
+    table = next(tmp_path.glob("profile_update_vit_b16_*.txt")).read_text()
+    assert "ModelEma.update" in table

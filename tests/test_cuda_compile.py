@@ -206,3 +206,29 @@ def test_cuda_torch_glue_compiles(source, tmp_path):
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@needs_nvcc
+def test_the_stochastic_rounding_benchmark_compiles_and_ops_set_their_blocks_per_sm(tmp_path):
+    """benchmarks/cuda/sr_variants.cu (run on a GPU only) builds against today's kernels, and an
+    op's kMinBlocksPerSM reaches __launch_bounds__: one resident block lets ptxas go past the
+    64 registers that the default two blocks of 512 threads cap it at."""
+    require_target("90")
+    cmd = [NVCC, "-std=c++17", "-O3", f"-I{ROOT / 'csrc'}"]
+    cmd += ["-gencode", "arch=compute_90,code=sm_90"]
+    cmd += ["-Xptxas", "-v", "-c", str(ROOT / "benchmarks" / "cuda" / "sr_variants.cu")]
+    result = subprocess.run(
+        cmd + ["-o", str(tmp_path / "sr.o")], capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    registers, entry = {}, None
+    for line in result.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\S+)'", line):
+            entry = m.group(1)
+        elif (m := re.search(r"Used (\d+) registers", line)) and entry:
+            registers[entry] = int(m.group(1))
+    names = demangle(list(registers))
+    one_block = [r for e, r in registers.items() if re.search(r"Variant<.*, \d, 1>", names[e])]
+    two_blocks = [r for e, r in registers.items() if re.search(r"Variant<.*, \d, 2>", names[e])]
+    assert one_block and two_blocks, sorted(names.values())
+    assert max(two_blocks) <= 64 < max(one_block), (one_block, two_blocks)

@@ -13,13 +13,13 @@
 
 namespace fc = fused_ema::cuda;
 
-#define CHECK_CUDA(call)                                                                   \
-  do {                                                                                     \
-    const cudaError_t err_ = (call);                                                       \
-    if (err_ != cudaSuccess) {                                                             \
+#define CHECK_CUDA(call)                                                                \
+  do {                                                                                  \
+    const cudaError_t err_ = (call);                                                    \
+    if (err_ != cudaSuccess) {                                                          \
       std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+      std::exit(1);                                                                     \
+    }                                                                                   \
   } while (0)
 
 template <typename Base, int kIlpV, int kMinBlocksV>
@@ -68,8 +68,8 @@ void bench_pair(const char* pair, int64_t total, int tensors, int rounds, int re
   using Sr = fc::LerpStochasticOp<E, S>;
   std::vector<Case> cases;
   cases.push_back({"RN (LerpOp)", [&](cudaStream_t s) {
-                     CHECK_CUDA(fc::multi_tensor_apply(refs.data(), tensors,
-                                                       fc::LerpOp<E, S>{weight}, s));
+                     CHECK_CUDA(
+                         fc::multi_tensor_apply(refs.data(), tensors, fc::LerpOp<E, S>{weight}, s));
                    }});
   auto add_sr = [&](auto op, const char* name) {
     cases.push_back({name, [&, op](cudaStream_t s) {
