@@ -158,24 +158,34 @@ class PrivateIsaLibraries(build_clib):
             )
 
 
+def gcc_major(compiler: str) -> int:
+    try:
+        out = subprocess.run([compiler, "-dumpversion"], capture_output=True, text=True, timeout=60)
+        return int(out.stdout.strip().split(".")[0])
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
 def choose_compiler() -> None:
-    """The system g++ (the one on PATH), where Python names another compiler. setuptools builds
-    with the compiler Python itself was built with (sysconfig's CXX) and Python's link flags: on
-    a CUDA image whose Python names its own GCC (/opt/gcc, linking with -Bsymbolic-functions), the
-    extension bound its own instantiations of libstdc++ templates and crashed formatting every
-    error message; the system g++ is the one built with the libstdc++ loaded at run time. CXX
-    set: that choice stands."""
+    """The system g++ (the one on PATH) where Python was built with a compiler of its own, named
+    by absolute path in sysconfig's CXX. setuptools builds with that compiler and Python's link
+    flags: on a CUDA image whose Python names /opt/gcc/bin/g++ (and links with
+    -Bsymbolic-functions), the extension bound its own instantiations of libstdc++ templates and
+    crashed formatting every error message; the system g++ matches the libstdc++ loaded at run
+    time. A compiler Python names by name (distributions, conda) is the toolchain set up for it
+    and stays; so does a system g++ too old for torch's headers (before GCC 10), and CXX if set."""
     if "CXX" in os.environ or not sys.platform.startswith("linux"):
         return
     configured = (sysconfig.get_config_var("CXX") or "").split()
     system_cxx, system_cc = shutil.which("g++"), shutil.which("gcc")
-    if not configured or not system_cxx or not system_cc:
+    if not configured or not os.path.isabs(configured[0]) or not system_cxx or not system_cc:
         return
-    python_cxx = shutil.which(configured[0]) or configured[0]
-    if os.path.realpath(python_cxx) == os.path.realpath(system_cxx):
+    if os.path.realpath(configured[0]) == os.path.realpath(system_cxx):
+        return
+    if gcc_major(system_cxx) < 10:
         return
     print(
-        f"fused_ema: compiling with the system {system_cxx}, not Python's {python_cxx} "
+        f"fused_ema: compiling with the system {system_cxx}, not Python's {configured[0]} "
         "(set CXX to choose)"
     )
     os.environ.update(CC=system_cc, CXX=system_cxx, LDSHARED=f"{system_cxx} -shared")
