@@ -16,7 +16,7 @@ import pytest
 import fused_ema
 
 ROOT = Path(__file__).resolve().parents[1]
-MTA_HEADER = ROOT / "csrc" / "cuda" / "multi_tensor_apply.cuh"
+KERNEL_HEADER = ROOT / "csrc" / "cuda" / "multi_tensor_kernel.cuh"
 PAIRS = len(fused_ema.SUPPORTED_DTYPE_PAIRS)  # each one lerp kernel per launch layout
 SMALL, LARGE = "Li120E", "Li1024E"  # the capacity in a plain lerp kernel's mangled name
 
@@ -49,7 +49,7 @@ def require_target(arch):
 
 
 def block_threads():
-    return int(re.search(r"kBlockThreads = (\d+);", MTA_HEADER.read_text()).group(1))
+    return int(re.search(r"kBlockThreads = (\d+);", KERNEL_HEADER.read_text()).group(1))
 
 
 @functools.cache
