@@ -22,5 +22,7 @@ tests/test_ema_faults.py interrupts public calls at every such point and checks 
 
 import torch
 
-grad_enabled = torch._C.is_grad_enabled  # torch.is_grad_enabled itself
-set_grad_enabled = torch._C._set_grad_enabled  # what torch.set_grad_enabled calls
+grad_enabled = torch.is_grad_enabled  # a C function
+# Private, and the README says so: torch.set_grad_enabled is a class whose Python __init__ an
+# interrupt can split before it switches the mode; this is the C function that __init__ calls.
+set_grad_enabled = torch._C._set_grad_enabled
