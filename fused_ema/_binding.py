@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._dtensor import is_dtensor, local, refuse_unsharded
-from ._grad import grad_enabled, set_grad_enabled
+from ._grad import without_grad
 from ._loader import _C
 from ._model_walk import named_tensors
 from ._module_view import EmaForwardCheck, SwappedModelView, build_module
@@ -34,12 +34,9 @@ class Binding:
         tracked = policy.select(named_tensors(model, self.with_buffers), warn_unused=True)
         if policy.shard is not None:
             policy.shard.check_replicated(tracked)
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
-        try:
-            set_grad_enabled(False)
-            self.table = self._packed(EntryTable([policy.new_entry(t) for t in tracked]))
-        finally:
-            set_grad_enabled(grad)
+        self.table = without_grad(
+            lambda: self._packed(EntryTable([policy.new_entry(t) for t in tracked]))
+        )
         self.plan: UpdatePlan | None = None
         self.model_ref = weakref.ref(model)
         self.module = self._build_module(ema, self.table.entries, model)
@@ -48,6 +45,10 @@ class Binding:
         """A sharded EMA's chunks in one flat buffer per dtype and device (see _shard.py)."""
         shard = self.policy.shard
         return table if shard is None else EntryTable(shard.pack(table.entries))
+
+    def _followed(self, tracked) -> EntryTable:
+        """The table for `tracked`, built aside (autograd off) from the current one."""
+        return without_grad(lambda: self._packed(self.table.followed(tracked, self.policy)))
 
     def _build_module(self, ema, entries, model) -> nn.Module:
         if self.policy.shard is not None:  # each forward gathers the EMA into the model
@@ -105,12 +106,7 @@ class Binding:
                     renamed=changes.renamed,
                     hint=_RESYNC_HINT,
                 )
-            grad = grad_enabled()  # restored whatever happens (see _grad.py)
-            try:
-                set_grad_enabled(False)
-                table = self._packed(table.followed(tracked, self.policy))
-            finally:
-                set_grad_enabled(grad)
+            table = self._followed(tracked)
         plan, undo = self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
         plan.remember(model, walk, self.with_buffers)
         return plan, undo
@@ -118,12 +114,7 @@ class Binding:
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)
         refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
-        try:
-            set_grad_enabled(False)
-            table = self._packed(self.table.followed(tracked, self.policy))
-        finally:
-            set_grad_enabled(grad)
+        table = self._followed(tracked)
         self.adopt(ema, model, table, tracked, schedule)
 
     def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False):

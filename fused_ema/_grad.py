@@ -26,3 +26,13 @@ grad_enabled = torch.is_grad_enabled  # a C function
 # Private, and the README says so: torch.set_grad_enabled is a class whose Python __init__ an
 # interrupt can split before it switches the mode; this is the C function that __init__ calls.
 set_grad_enabled = torch._C._set_grad_enabled
+
+
+def without_grad(fn, *args):
+    """fn(*args) with autograd off, the caller's mode put back as above."""
+    grad = grad_enabled()
+    try:
+        set_grad_enabled(False)
+        return fn(*args)
+    finally:
+        set_grad_enabled(grad)

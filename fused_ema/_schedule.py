@@ -10,7 +10,7 @@ import operator
 
 import torch
 
-from ._grad import grad_enabled, set_grad_enabled
+from ._grad import grad_enabled, set_grad_enabled, without_grad
 from ._loader import _C
 
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
@@ -170,12 +170,7 @@ class Schedule:
         self.config = torch.tensor(_config_values(self.options), dtype=torch.float64)
         self.config = self.config.to(device)
         self.weight = self.out[:1]  # what the fused kernel reads: no host sync
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
-        try:
-            set_grad_enabled(False)
-            self._compute(advance=False)
-        finally:
-            set_grad_enabled(grad)
+        without_grad(self._compute, False)
 
     @property
     def device(self) -> torch.device:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._dtensor import copy_into, is_dtensor, local, replica_cut
-from ._grad import grad_enabled, set_grad_enabled
+from ._grad import grad_enabled, set_grad_enabled, without_grad
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -195,12 +195,7 @@ def copy_all(pairs) -> None:
     if gathered:
         from ._shard import gather_into
 
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
-        try:
-            set_grad_enabled(False)
-            gather_into(gathered)
-        finally:
-            set_grad_enabled(grad)
+        without_grad(gather_into, gathered)
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
     done = 0
     grad = grad_enabled()  # restored whatever happens (see _grad.py)
