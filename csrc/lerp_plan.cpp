@@ -10,7 +10,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 namespace fused_ema {
@@ -20,7 +19,7 @@ constexpr const char* kOp = "fused_ema.lerp_: ";
 
 // Metadata of a long list has left the cache by the time it is checked. It is prefetched in
 // stages, each a few tensors further ahead than the object its address is read from:
-// kAhead * 3: the at::Tensor, *2: its TensorImpl, *1: the StorageImpl (or version counter).
+// kAhead * 3: the at::Tensor, *2: its TensorImpl, *1: the StorageImpl.
 constexpr size_t kAhead = 12;
 
 // The tensor at `i` of `list`, prefetched in stages for the walk over it.
@@ -38,64 +37,11 @@ constexpr size_t kAhead = 12;
   }
 }
 
-// VariableVersion holds only the pointer to its shared counter (null for an inference tensor).
-// Reading it while the planning pass has the TensorImpl in cache lets the versions be bumped
-// later from a compact list, without missing on every TensorImpl a second time.
-static_assert(sizeof(c10::VariableVersion) == sizeof(void*));
-void* version_counter_address(const c10::TensorImpl* impl) {
-  return *reinterpret_cast<void* const*>(&impl->version_counter());
-}
-
-// VariableVersion::VersionCounter is private; this has its layout (the same base, then the same
-// single member), so that the increment is VariableVersion::bump's.
-struct VersionCounterView : c10::intrusive_ptr_target {
-  std::atomic<uint32_t> version_;
-};
-
-// Whether the view reads the counter VariableVersion reads, checked once by reading only: a
-// scratch tensor's version is driven to a distinctive value through torch's own bump. Another
-// torch whose layout differs makes bump_versions use TensorImpl::bump_version instead.
-bool version_view_matches() {
-  static const bool matches = [] {
-    const c10::InferenceMode not_inference(/*enabled=*/false);  // a probe with a counter
-    at::Tensor probe = at::empty({1});
-    c10::TensorImpl* impl = probe.unsafeGetTensorImpl();
-    constexpr uint32_t kDistinct = 40503;
-    for (uint32_t k = 0; k < kDistinct; ++k) {
-      impl->bump_version();
-    }
-    const void* counter = version_counter_address(impl);
-    return counter != nullptr && impl->version_counter().current_version() == kDistinct &&
-           static_cast<const VersionCounterView*>(counter)->version_.load() == kDistinct;
-  }();
-  return matches;
-}
-
-// Bumps the version counters at `counters`, prefetching ahead (a locked increment that misses
-// the cache stalls every load behind it). A null counter is an inference tensor's:
-// VariableVersion's own check and message. Where the view does not match, the entries are the
-// TensorImpls instead.
-void bump_versions(const std::vector<void*>& counters) {
-  if (!version_view_matches()) {
-    for (void* impl : counters) {
-      static_cast<c10::TensorImpl*>(impl)->bump_version();
-    }
-    return;
-  }
-  constexpr size_t kBumpAhead = 16;
-  const size_t count = counters.size();
-  for (size_t i = 0; i < count; ++i) {
-    if (i + kBumpAhead < count) {
-      __builtin_prefetch(counters[i + kBumpAhead], 1);
-    }
-    if (counters[i] == nullptr) {
-      TORCH_CHECK(c10::InferenceMode::is_enabled(),
-                  "Inplace update to inference tensor outside InferenceMode is not allowed."
-                  "You can make a clone to get a normal tensor before doing inplace update."
-                  "See https://github.com/pytorch/rfcs/pull/17 for more details.");
-      continue;
-    }
-    ++static_cast<VersionCounterView*>(counters[i])->version_;
+// Bumps each EMA's version counter once the whole call is known to be valid (torch's own bump:
+// an inference tensor outside InferenceMode raises its message).
+void bump_versions(const std::vector<c10::TensorImpl*>& impls) {
+  for (c10::TensorImpl* impl : impls) {
+    impl->bump_version();
   }
 }
 
@@ -262,11 +208,10 @@ void DevicePlan::write_back() const {
   }
 }
 
-LerpPlanner::LerpPlanner(size_t count, bool row_major)
-    : count_(count), row_major_(row_major), counter_view_(version_view_matches()) {
+LerpPlanner::LerpPlanner(size_t count, bool row_major) : count_(count), row_major_(row_major) {
   TORCH_CHECK_VALUE(count <= UINT32_MAX, kOp, "at most ", UINT32_MAX, " tensors per call, got ",
                     count);
-  counters_.vec.resize(count);
+  bumped_.vec.resize(count);
 }
 
 LerpPlanner::~LerpPlanner() {
@@ -302,8 +247,7 @@ void LerpPlanner::add(const at::Tensor& e, const at::Tensor& s) {
   const size_t i = next_++;
   const auto index = static_cast<int64_t>(i);
   check_pair(e, s, index);
-  c10::TensorImpl* impl = e.unsafeGetTensorImpl();
-  counters_.vec[i] = counter_view_ ? version_counter_address(impl) : impl;
+  bumped_.vec[i] = e.unsafeGetTensorImpl();
   DeviceWork& w = work_for(e.device());
   const int64_t n = e.numel();
   if (n == 0) {
@@ -346,7 +290,7 @@ std::vector<DevicePlan> LerpPlanner::finish(PlanCheck check) {
     }
     plans.push_back(std::move(w.plan));
   }
-  bump_versions(counters_.vec);
+  bump_versions(bumped_.vec);
   return plans;
 }
 

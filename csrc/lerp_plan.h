@@ -162,13 +162,12 @@ class LerpPlanner {
   size_t count_;
   size_t next_ = 0;
   bool row_major_;
-  bool counter_view_;  // counters_ holds version counters, else TensorImpls (lerp_plan.cpp)
   std::vector<DeviceWork> work_;
   size_t current_ = 0;
-  // The first device's buffers and the version counters come from per-thread pools.
+  // The first device's buffers and the EMAs whose versions move come from per-thread pools.
   Scratch<Interval, 0> first_ema_ranges_;
   Scratch<Interval, 1> first_src_ranges_;
-  Scratch<void*, 0> counters_;
+  Scratch<c10::TensorImpl*, 0> bumped_;
 };
 
 // The planner over two lists (the dispatcher's route), prefetching the metadata of long lists.
