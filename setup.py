@@ -152,8 +152,11 @@ class PrivateIsaLibraries(build_clib):
             }
             names = archive.with_suffix(".private-symbols")
             names.write_text("".join(f"{symbol}\n" for symbol in sorted(weak)))
+            # objcopy fails on an empty symbol list: an archive built earlier and already
+            # localized (build_clib leaves an up-to-date one as it is) has no weak symbols left.
+            localize = [f"--localize-symbols={names}"] if weak else []
             subprocess.run(
-                ["objcopy", f"--localize-symbols={names}", "--remove-section=.group", str(archive)],
+                ["objcopy", *localize, "--remove-section=.group", str(archive)],
                 check=True,
             )
 

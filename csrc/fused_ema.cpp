@@ -29,6 +29,7 @@ namespace fused_ema {
 PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_path.cpp
 // python_walk.cpp
 PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs);
+PyObject* python_named_walk(PyObject* module, PyObject* args);
 PyObject* python_walk_signature(PyObject* module, PyObject* walk);
 PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
@@ -121,6 +122,9 @@ PyMethodDef kMethods[] = {
      "tensor_walk(model, with_buffers=True, names=False) -> list: per distinct module "
      "(depth-first pre-order, None children skipped), its _parameters values, then its "
      "persistent _buffers values; None entries kept. names=True: (list, hash of the names)."},
+    {"named_walk", fused_ema::python_named_walk, METH_VARARGS,
+     "named_walk(model, with_buffers=True) -> list: tensor_walk's items as (full name, value, "
+     "is_parameter), each module's names prefixed as named_modules first reaches it."},
     {"walk_signature", fused_ema::python_walk_signature, METH_O,
      "walk_signature(walk: list) -> bytes: each item's Python type, dtype, layout, device and "
      "sizes, or a None marker."},

@@ -19,21 +19,17 @@ constexpr const char* kOp = "fused_ema.lerp_: ";
 
 // Metadata of a long list has left the cache by the time it is checked. It is prefetched in
 // stages, each a few tensors further ahead than the object its address is read from:
-// kAhead * 3: the at::Tensor, *2: its TensorImpl, *1: the StorageImpl.
+// kAhead * 2: the at::Tensor, * 1: its TensorImpl (whole objects: no assumption on their layout).
 constexpr size_t kAhead = 12;
 
 // The tensor at `i` of `list`, prefetched in stages for the walk over it.
 [[gnu::always_inline]] inline void prefetch_ahead(TensorRefs list, size_t i) {
   const size_t count = list.size();
-  if (i + 3 * kAhead < count) {
-    prefetch_object<sizeof(at::Tensor)>(list[i + 3 * kAhead]);
-  }
   if (i + 2 * kAhead < count) {
-    prefetch_tensor_impl(list[i + 2 * kAhead]->unsafeGetTensorImpl());
+    prefetch_object<sizeof(at::Tensor)>(list[i + 2 * kAhead]);
   }
   if (i + kAhead < count) {
-    prefetch_storage_data_ptr(
-        list[i + kAhead]->unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+    prefetch_tensor_impl(list[i + kAhead]->unsafeGetTensorImpl());
   }
 }
 

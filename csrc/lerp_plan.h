@@ -67,12 +67,6 @@ template <size_t kBytes, int kWrite = 0>
   prefetch_object<sizeof(c10::TensorImpl)>(impl);
 }
 
-// Prefetches what data_ptr() reads of a StorageImpl: the DataPtr and the flags after it, in its
-// first 64 bytes (a whole StorageImpl is three lines, and fill buffers are the scarce resource).
-[[gnu::always_inline]] inline void prefetch_storage_data_ptr(const c10::StorageImpl* storage) {
-  prefetch_object<64>(storage);
-}
-
 // Lists shorter than this are still in the L2 cache from their last update, where prefetching
 // by hand only adds instructions (1,000 tensors cost 20% more with it).
 constexpr size_t kPrefetchFrom = 2048;

@@ -23,13 +23,8 @@ namespace {
 
 // A tensor the dispatcher would send straight to our CPU or CUDA kernel: exactly a Tensor or a
 // Parameter (whose __torch_function__ is disabled), with no keys beyond backend and autograd.
-bool tensor_type(PyObject* obj) {
-  const auto* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
-  return type == THPVariableClass || type == ParameterClass;
-}
-
 bool plain_tensor(PyObject* obj) {
-  if (!tensor_type(obj)) {
+  if (!THPVariable_CheckExact(obj)) {
     return false;
   }
   const auto keys = THPVariable_Unpack(obj).key_set() -
@@ -39,30 +34,17 @@ bool plain_tensor(PyObject* obj) {
          keys == c10::DispatchKeySet(c10::DispatchKey::CUDA);
 }
 
-// A long list's metadata has left the cache since the last call. Each tensor is fetched in stages,
-// each a few tensors further ahead than the object its address is read from: kAhead * 3: the
-// PyObject, * 2: its TensorImpl, * 1: the StorageImpl. Each is read once, in the one pass that
-// unpacks and checks: past the L2 cache every further pass over them was a miss per object.
+// A long list's metadata has left the cache since the last call. Each tensor is fetched in
+// stages, each a few tensors further ahead than the object its address is read from: kAhead * 2:
+// the Python object's first line, * 1: its TensorImpl (whole: no assumption on its layout).
 constexpr size_t kAhead = 8;
 
-// What the pass reads of a THPVariable: the reference count, the type and the tensor.
-constexpr size_t kPyObjectBytes = offsetof(THPVariable, cdata) + sizeof(at::Tensor);
-
 [[gnu::always_inline]] inline void prefetch_ahead(PyObject* const* items, size_t i, size_t n) {
-  if (i + 3 * kAhead < n) {
-    prefetch_object<kPyObjectBytes, /*kWrite=*/1>(items[i + 3 * kAhead]);
+  if (i + 2 * kAhead < n) {
+    __builtin_prefetch(items[i + 2 * kAhead], 1);
   }
-  if (i + 2 * kAhead < n && tensor_type(items[i + 2 * kAhead])) {
-    prefetch_tensor_impl(THPVariable_Unpack(items[i + 2 * kAhead]).unsafeGetTensorImpl());
-  }
-  if (i + kAhead < n && tensor_type(items[i + kAhead])) {
-    const c10::StorageImpl* storage = THPVariable_Unpack(items[i + kAhead])
-                                          .unsafeGetTensorImpl()
-                                          ->unsafe_storage()
-                                          .unsafeGetStorageImpl();
-    if (storage != nullptr) {
-      prefetch_storage_data_ptr(storage);
-    }
+  if (i + kAhead < n && THPVariable_CheckExact(items[i + kAhead])) {
+    prefetch_tensor_impl(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
   }
 }
 
@@ -139,8 +121,8 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
     Py_RETURN_FALSE;
   }
   const auto n = static_cast<size_t>(PyList_GET_SIZE(ema_list));
-  PyObject* const* ema = reinterpret_cast<PyListObject*>(ema_list)->ob_item;
-  PyObject* const* src = reinterpret_cast<PyListObject*>(src_list)->ob_item;
+  PyObject* const* ema = PySequence_Fast_ITEMS(ema_list);
+  PyObject* const* src = PySequence_Fast_ITEMS(src_list);
   OwnedItems owned;
   owned.reserve(2 * n);
   LerpPlanner planner(n, /*row_major=*/false);

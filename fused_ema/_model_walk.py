@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._loader import _C
+
 PARAM = "param"
 BUFFER = "buffer"
 
@@ -79,54 +81,31 @@ class Tracked:
         return self.names[0]
 
 
-def _modules(model: nn.Module):
-    """(prefix, module) for every distinct module, in named_modules order, without the cost of
-    building names for modules that have no tensors of their own."""
-    seen = set()
-    stack = [("", model)]
-    while stack:
-        prefix, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        yield prefix, module
-        children = [
-            (f"{prefix}{name}.", child)
-            for name, child in module._modules.items()
-            if child is not None
-        ]
-        stack.extend(reversed(children))
-
-
-def _persistent_buffers(module: nn.Module):
-    skip = module._non_persistent_buffers_set
-    return ((n, b) for n, b in module._buffers.items() if b is not None and n not in skip)
-
-
 def named_tensors(model: nn.Module, with_buffers: bool = True) -> list[Tracked]:
-    """Every distinct parameter, then every distinct persistent buffer, by first name."""
+    """Every distinct parameter, then every distinct persistent buffer, by first name: the walk
+    (_C.named_walk, the one definition of which tensors a model has, under which names and in
+    which order) with ties gathered under the first name."""
     by_id: dict[int, Tracked] = {}
     params: list[Tracked] = []
     buffers: list[Tracked] = []
-    for prefix, module in _modules(model):
-        items = [(n, p, PARAM) for n, p in module._parameters.items() if p is not None]
-        if with_buffers:
-            items += [(n, b, BUFFER) for n, b in _persistent_buffers(module)]
-        for name, tensor, kind in items:
-            full = clean_name(prefix + name)
-            if id(tensor) in by_id:
-                by_id[id(tensor)].names.append(full)
-                continue
-            entry = Tracked([full], kind, tensor)
-            by_id[id(tensor)] = entry
-            (params if kind == PARAM else buffers).append(entry)
+    for name, tensor, is_param in _C.named_walk(model, with_buffers):
+        if tensor is None:
+            continue
+        full = clean_name(name)
+        if id(tensor) in by_id:
+            by_id[id(tensor)].names.append(full)
+            continue
+        entry = Tracked([full], PARAM if is_param else BUFFER, tensor)
+        by_id[id(tensor)] = entry
+        (params if is_param else buffers).append(entry)
     return params + buffers
 
 
 def tensor_walk(model: nn.Module, with_buffers: bool = True) -> list:
-    """The model's tensors (and None placeholders) in a fixed order, as cheaply as Python
-    allows: compared by identity with the previous update's walk, it tells whether anything was
-    added, removed or replaced. Shared modules are visited once, as named_modules does."""
+    """_C.tensor_walk's list written in Python, for torch.compile to trace (a compiled program
+    cannot call into the extension to read the model): the values a compiled update averages
+    toward. The op it feeds checks them against the C walk of the live model, and
+    tests/test_walk.py holds the two equal on random module trees."""
     out: list = []
     extend = out.extend
     seen: set = set()

@@ -106,11 +106,11 @@ def test_overhead_benchmark_runs(tmp_path):
     from benchmarks import overhead
 
     record = overhead.main(
-        ["--sizes", "10,40", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
+        ["--sizes", "8,40", "--rounds", "1", "--reps", "1", "--out", str(tmp_path)]
     )
-    assert [row["tensors"] for row in record["rows"]] == [10, 40]
-    # Python 3.12+ has no walk cache: its check is n/a there, with why; the rest is measured.
-    missing = {overhead.CACHED_CHECK} if sys.version_info >= (3, 12) else set()
+    assert [row["tensors"] for row in record["rows"]] == [8, 40]
+    # Before 3.12 there is no walk cache: its check is n/a there, with why; the rest is measured.
+    missing = {overhead.CACHED_CHECK} if sys.version_info < (3, 12) else set()
     for row in record["rows"]:
         for name in overhead.CONTENDERS:
             if name in missing:

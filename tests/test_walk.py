@@ -93,6 +93,40 @@ def test_walk_equals_python_walk_and_named_modules_order(model, with_buffers):
     assert same_objects(walk, _C.tensor_walk(model, with_buffers=with_buffers))
 
 
+def reference_named_walk(model: nn.Module, with_buffers: bool) -> list:
+    """(full name, value, is a parameter) from named_modules and each module's own dicts."""
+    out = []
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        out += [(dot + n, p, True) for n, p in module._parameters.items()]
+        if with_buffers:
+            skip = module._non_persistent_buffers_set
+            out += [(dot + n, b, False) for n, b in module._buffers.items() if n not in skip]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=module_trees(), with_buffers=st.booleans())
+def test_named_walk_is_the_walk_with_named_modules_names(model, with_buffers):
+    from fused_ema._model_walk import named_tensors
+
+    named = _C.named_walk(model, with_buffers)
+    expected = reference_named_walk(model, with_buffers)
+    assert [(n, k) for n, _, k in named] == [(n, k) for n, _, k in expected]
+    assert same_objects([v for _, v, _ in named], [v for _, v, _ in expected])
+    assert same_objects([v for _, v, _ in named], _C.tensor_walk(model, with_buffers))
+    # What an EMA tracks: each distinct tensor once under its first name, all its names kept.
+    tracked = named_tensors(model, with_buffers)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert [t.name for t in tracked if t.kind == "param"] == list(
+        dict(model.named_parameters()).keys()
+    )
+    for t in tracked:
+        assert all(
+            (params[n] if t.kind == "param" else model.get_buffer(n)) is t.tensor for n in t.names
+        )
+
+
 def test_walk_default_keeps_buffers_and_none_entries():
     model = nn.Module()
     model.register_parameter("p", None)
