@@ -227,10 +227,14 @@ def main(argv=None) -> dict:
             record["rows"].append(measure(size, args.rounds, args.reps, lambda: bar.update(1)))
     print(table(record))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"overhead_{report.slug(record['machine'])}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    stem.with_suffix(".md").write_text(markdown(record))
-    print(f"wrote {stem}.json and .md")
+    m = record["machine"]
+    # One file per Python and torch: the walk cache and the host cost differ between them.
+    python = ".".join(m["python"].split(".")[:2])
+    torch_version = ".".join(m["torch"].split("+")[0].split(".")[:2])
+    stem = f"overhead_{report.slug(m)}_py{python}-torch{torch_version}"
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(record))
+    print(f"wrote {args.out / stem}.json and .md")
     return record
 
 
