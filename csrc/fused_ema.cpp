@@ -38,6 +38,8 @@ PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t 
 PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_philox(PyObject* module, PyObject* args);  // stochastic_round_testing.cpp
 PyObject* python_stochastic_round(PyObject* module, PyObject* args);
+// grad_mode.cpp
+PyObject* python_without_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace fused_ema
 
 TORCH_LIBRARY(fused_ema, m) {
@@ -140,6 +142,9 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL,
      "walk_unchanged(cache, model) -> list | None: the cached walk, as a new list, if nothing it "
      "read changed and every item keeps its signature; else None."},
+    {"without_grad", reinterpret_cast<PyCFunction>(fused_ema::python_without_grad), METH_FASTCALL,
+     "without_grad(fn, *args) -> fn(*args) with autograd off; the caller's grad mode is restored "
+     "on every way out (exceptions and interrupts included) with no Python code in between."},
     {"_cuda_small_params", cuda_small_params, METH_VARARGS,
      "Tests only: force 4 KB CUDA launch parameters (flag), returning the previous setting."},
     {"_philox", fused_ema::python_philox, METH_VARARGS,

@@ -1,5 +1,6 @@
 """What a non_blocking update needs beyond its plan: side streams for the copies out of the GPU,
-ordered against the training stream, and one worker thread for the CPU half. The worker's error
+ordered against the training stream, and one worker thread for the CPU half, whose jobs run with
+autograd off (grad mode is per thread: the caller's no_grad does not reach it). The worker's error
 is kept and raised by wait(). Dropped (not copied) by deepcopy and pickling."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from ._grad import without_grad
 
 
 class AsyncRunner:
@@ -47,7 +50,7 @@ class AsyncRunner:
     def submit(self, fn) -> None:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_ema")
-        self._pending = self._worker.submit(fn)
+        self._pending = self._worker.submit(without_grad, fn)
 
     def wait(self) -> None:
         """Waits for the job in flight; raises the error it ended with."""

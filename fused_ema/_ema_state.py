@@ -13,7 +13,7 @@ import torch
 
 from . import _nested_state
 from ._dtensor import gather_full
-from ._grad import grad_enabled, set_grad_enabled
+from ._grad import without_grad
 from ._schedule import options_from_state, rounding_from_state
 from ._swap import copy_all
 from .checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
@@ -99,18 +99,16 @@ class EmaState:
 
     def apply(self, prepared, rounding) -> LoadResult:
         """Writes what prepare() made; nothing here can fail on the checkpoint's data."""
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
-        try:
-            set_grad_enabled(False)
-            copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
-            self.schedule.load(prepared.options, prepared.step)
-        finally:
-            set_grad_enabled(grad)
+        without_grad(self._write, prepared)
         if rounding is not None:
             self.rounding = rounding
             self.binding.set_seed(rounding_seed(rounding))
         self.warn_precision()
         return prepared.result
+
+    def _write(self, prepared) -> None:
+        copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
+        self.schedule.load(prepared.options, prepared.step)
 
     def load_nested(self, state_dict, prefix, metadata, missing_keys, unexpected_keys, errors):
         """A parent module's load_state_dict(): the keys under `prefix`, all or nothing;

@@ -1,5 +1,6 @@
 """ema.module: an eval-mode nn.Module evaluating the EMA weights. Normally a copy of the model's
-structure whose tensors are the EMA's own (nothing stored twice); for a model that deepcopy
+structure whose tensors are the EMA's own, and whose non-persistent buffers are the model's own
+where the EMA lives on the model's device (nothing stored twice); for a model that deepcopy
 refuses (FSDP2, locks, handles), a view that runs the model with the EMA swapped in per call.
 Both hold the EMA weakly, so `del ema` frees it at once, and both pickle."""
 
@@ -36,18 +37,37 @@ class EmaForwardCheck:
 
 def build_module(ema, entries, model: nn.Module) -> nn.Module:
     """The model's module tree with the EMA tensors standing in for its own (a deepcopy whose
-    memo already holds them), in the EMA's mode (eval unless ema.train()), without gradients."""
-    memo = {}
+    memo already holds them), in the EMA's mode (eval unless ema.train()), without gradients.
+    A non-persistent buffer (a rotary or mask cache: derived, never averaged) is the model's own
+    tensor where the EMA keeps the model's tensors of its device on that device, else one copy
+    on the device the EMA moved them to (a CPU EMA of a CUDA model)."""
+    memo, devices = {}, {}
     for entry in entries:
         source = entry.bound()
         if source is not None:
             memo[id(source)] = entry.ema
+            devices.setdefault(source.device, entry.ema.device)
+    for buffer in _non_persistent_buffers(model):
+        if id(buffer) not in memo:
+            device = devices.get(buffer.device, buffer.device)
+            if device == buffer.device:
+                memo[id(buffer)] = buffer
+            else:
+                moved = buffer.detach().to(device)
+                memo[id(buffer)] = moved.requires_grad_(buffer.requires_grad)
     try:
         module = copy.deepcopy(model, memo).train(ema.training).requires_grad_(False)
     except Exception:  # FSDP2, or something else deepcopy cannot copy
         return SwappedModelView(ema, model)
     module.register_forward_pre_hook(EmaForwardCheck(ema))
     return module
+
+
+def _non_persistent_buffers(model: nn.Module):
+    for module in model.modules():
+        skip = module._non_persistent_buffers_set
+        if skip:
+            yield from (b for n, b in module._buffers.items() if b is not None and n in skip)
 
 
 class SwappedModelView(nn.Module):

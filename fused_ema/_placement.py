@@ -91,7 +91,8 @@ def _module_extras(module, entries, device, non_blocking: bool) -> list:
         for store in (sub._parameters, sub._buffers):
             for name, t in store.items():
                 if t is not None and id(t) not in ours and not t.is_meta:
-                    moved = t.data.to(device=device, non_blocking=non_blocking)
-                    if moved is not t.data:
+                    data = t.data
+                    moved = data.to(device=device, non_blocking=non_blocking)
+                    if moved is not data:
                         out.append((sub, name, moved))
     return out

@@ -10,7 +10,7 @@ import operator
 
 import torch
 
-from ._grad import grad_enabled, set_grad_enabled, without_grad
+from ._grad import without_grad
 from ._loader import _C
 
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
@@ -280,15 +280,13 @@ class Schedule:
 
     def load(self, options: dict | None, step: int | None) -> None:
         """Applies already validated options and step."""
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
-        try:
-            set_grad_enabled(False)
-            if options is not None:
-                config = torch.tensor(_config_values(options), dtype=torch.float64)
-                self.config.copy_(config)
-                self.options = options
-            if step is not None:
-                self.step.fill_(step)
-            self._compute(advance=False)
-        finally:
-            set_grad_enabled(grad)
+        without_grad(self._load, options, step)
+
+    def _load(self, options: dict | None, step: int | None) -> None:
+        if options is not None:
+            config = torch.tensor(_config_values(options), dtype=torch.float64)
+            self.config.copy_(config)
+            self.options = options
+        if step is not None:
+            self.step.fill_(step)
+        self._compute(advance=False)

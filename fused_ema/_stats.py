@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ._dtensor import local, sharding
-from ._grad import grad_enabled, set_grad_enabled
+from ._grad import without_grad
 from ._model_walk import named_tensors
 from .ops import lerp_
 
@@ -28,30 +28,34 @@ def ema_stats(entries, step: int, decay: float, configured_decay: float, model=N
     current = {n: t for t in named_tensors(model, True) for n in t.names}
     stats["untracked"] = sum(1 for n in current if n not in by_name)
     weight = 1.0 - (decay or configured_decay)
-    diff2 = ref2 = 0.0
-    unchanged = total = 0
-    grad = grad_enabled()  # restored whatever happens (see _grad.py)
-    try:
-        set_grad_enabled(False)
-        for e in averaged:
-            m = current.get(e.name)
-            if m is None or m.tensor.shape != e.ema.shape or sharding(m.tensor) != sharding(e.ema):
-                continue
-            ema = local(e.ema)
-            src = local(m.tensor).detach().to(ema.device)
-            diff2 += float((ema.double() - src.double()).square().sum())
-            ref2 += float(src.double().square().sum())
-            moved = ema.clone()
-            lerp_([moved], [src.to(ema.dtype)], weight)
-            unchanged += int((moved == ema).sum())
-            total += ema.numel()
-        stats["model_nan"] = sum(
-            int(local(t.tensor).isnan().sum())
-            for t in current.values()
-            if t.tensor.is_floating_point()
-        )
-    finally:
-        set_grad_enabled(grad)
+    diff2, ref2, unchanged, total = without_grad(_compared, averaged, current, weight)
+    stats["model_nan"] = without_grad(_model_nan, current)
     stats["relative_distance"] = math.sqrt(diff2 / ref2) if ref2 > 0 else 0.0
     stats["unchanged_fraction"] = unchanged / total if total else 0.0
     return stats
+
+
+def _compared(averaged, current: dict, weight: float) -> tuple:
+    """The squared distance of the EMA to the model, the model's squared norm, and how many
+    averaged elements one more update would leave unchanged, of how many."""
+    diff2 = ref2 = 0.0
+    unchanged = total = 0
+    for e in averaged:
+        m = current.get(e.name)
+        if m is None or m.tensor.shape != e.ema.shape or sharding(m.tensor) != sharding(e.ema):
+            continue
+        ema = local(e.ema)
+        src = local(m.tensor).detach().to(ema.device)
+        diff2 += float((ema.double() - src.double()).square().sum())
+        ref2 += float(src.double().square().sum())
+        moved = ema.clone()
+        lerp_([moved], [src.to(ema.dtype)], weight)
+        unchanged += int((moved == ema).sum())
+        total += ema.numel()
+    return diff2, ref2, unchanged, total
+
+
+def _model_nan(current: dict) -> int:
+    return sum(
+        int(local(t.tensor).isnan().sum()) for t in current.values() if t.tensor.is_floating_point()
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._dtensor import copy_into, is_dtensor, local, replica_cut
-from ._grad import grad_enabled, set_grad_enabled, without_grad
+from ._grad import without_grad
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -61,24 +61,22 @@ class Swap:
     def swap_in(self) -> None:
         shared = _shared_storage(self._pairs)
         try:
-            grad = grad_enabled()  # restored whatever happens (see _grad.py)
-            try:
-                set_grad_enabled(False)
-                if self._gathered:
-                    self._gather_in()
-                for name, ema, target in self._pairs:
-                    t, e = local(target), local(ema)
-                    if name not in shared and _exchangeable(t, e):
-                        self._exchange(t, e)
-                        self._exchanged.append((t, e))
-                    else:
-                        self._saved.append((t, t.clone()))
-                        copy_into(target, ema)
-            finally:
-                set_grad_enabled(grad)
+            without_grad(self._write_in, shared)
         except BaseException:
             self.swap_out()
             raise
+
+    def _write_in(self, shared: set) -> None:
+        if self._gathered:
+            self._gather_in()
+        for name, ema, target in self._pairs:
+            t, e = local(target), local(ema)
+            if name not in shared and _exchangeable(t, e):
+                self._exchange(t, e)
+                self._exchanged.append((t, e))
+            else:
+                self._saved.append((t, t.clone()))
+                copy_into(target, ema)
 
     def _gather_in(self) -> None:
         from ._shard import SavedSlices, gather_into
@@ -93,23 +91,21 @@ class Swap:
         """Puts the model's values back, latest write first. Resumable: a write is forgotten only
         once undone (each exchange is all or nothing, a saved copy can be written twice), so
         after an interrupt, calling it again finishes the job (ModelEma.swapped does)."""
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
-        try:
-            set_grad_enabled(False)
-            slices, self._slices = self._slices, None
-            if slices is not None:
-                slices.restore()
-            while self._exchanged:
-                t, e = self._exchanged[-1]
-                self._exchange(t, e)
-                self._exchanged.pop()
-            while self._saved:
-                t, original = self._saved[-1]
-                t.copy_(original)
-                self._saved.pop()
-        finally:
-            set_grad_enabled(grad)
+        without_grad(self._write_out)
         self._scratch = {}
+
+    def _write_out(self) -> None:
+        slices, self._slices = self._slices, None
+        if slices is not None:
+            slices.restore()
+        while self._exchanged:
+            t, e = self._exchanged[-1]
+            self._exchange(t, e)
+            self._exchanged.pop()
+        while self._saved:
+            t, original = self._saved[-1]
+            t.copy_(original)
+            self._saved.pop()
 
     def _exchange(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.numel() == 0:
@@ -197,17 +193,16 @@ def copy_all(pairs) -> None:
 
         without_grad(gather_into, gathered)
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
+    without_grad(_copy_each, pairs)
+
+
+def _copy_each(pairs) -> None:
     done = 0
-    grad = grad_enabled()  # restored whatever happens (see _grad.py)
     try:
-        set_grad_enabled(False)
-        try:
-            for _, ema, target in pairs:
-                copy_into(target, ema)
-                done += 1
-        except BaseException:
-            for _, ema, target in pairs[done:]:
-                copy_into(target, ema)
-            raise
-    finally:
-        set_grad_enabled(grad)
+        for _, ema, target in pairs:
+            copy_into(target, ema)
+            done += 1
+    except BaseException:
+        for _, ema, target in pairs[done:]:
+            copy_into(target, ema)
+        raise

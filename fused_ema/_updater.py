@@ -11,7 +11,7 @@ import torch
 
 from ._async import AsyncRunner
 from ._dtensor import reshard_fsdp
-from ._grad import grad_enabled, set_grad_enabled
+from ._grad import without_grad
 from ._model_walk import tensor_walk
 from ._swap import Swap, check_writable
 
@@ -40,39 +40,38 @@ class Updater:
     def update(self, ema, model, step, non_blocking: bool, values=None) -> None:
         """One update of `ema` toward `model` (unwrapped); `values` are those a compiled program
         walked. A failure leaves the step, the schedule and the binding as they were."""
-        schedule = self.schedule
-        step = schedule.check_step(step)
+        step = self.schedule.check_step(step)
         walk, names = self.binding.walk(model, non_blocking)
+        if without_grad(self._update, ema, model, walk, names, step, non_blocking, values):
+            self.schedule.commit()
+
+    def _update(self, ema, model, walk, names, step, non_blocking: bool, values) -> bool:
+        """update() with autograd off; False when the worker finishes it (synchronize() then
+        commits or rolls back)."""
+        schedule = self.schedule
         plan, undo = None, None
-        grad = grad_enabled()  # restored whatever happens (see _grad.py)
         try:
-            set_grad_enabled(False)
-            try:
-                plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, schedule)
-                if values is not None and len(values) != len(walk):
-                    raise RuntimeError(
-                        "fused_ema: the compiled program walked another model structure"
-                    )
-                plan.forget_run()
-                schedule.begin(step)
-                schedule.note_capture()
-                if non_blocking:
-                    if plan.start(walk, schedule, self.runner):
-                        self.pending_plan = plan
-                        return  # synchronize() commits or rolls back
-                else:
-                    plan.run(walk, schedule, values)
-            except BaseException:
-                if plan is not None and plan.started():
-                    schedule.commit()  # it wrote, so it finished: only the error propagates
-                else:
-                    schedule.rollback()
-                    if undo is not None:
-                        undo()  # a resync that the failed update made is undone too
-                raise
-        finally:
-            set_grad_enabled(grad)
-        schedule.commit()
+            plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, schedule)
+            if values is not None and len(values) != len(walk):
+                raise RuntimeError("fused_ema: the compiled program walked another model structure")
+            plan.forget_run()
+            schedule.begin(step)
+            schedule.note_capture()
+            if non_blocking:
+                if plan.start(walk, schedule, self.runner):
+                    self.pending_plan = plan
+                    return False
+            else:
+                plan.run(walk, schedule, values)
+        except BaseException:
+            if plan is not None and plan.started():
+                schedule.commit()  # it wrote, so it finished: only the error propagates
+            else:
+                schedule.rollback()
+                if undo is not None:
+                    undo()  # a resync that the failed update made is undone too
+            raise
+        return True
 
     def trace(self, model, step, key: int) -> None:
         """update() inside torch.compile: the traced program walks the model and calls the op

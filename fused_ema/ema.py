@@ -323,9 +323,10 @@ class ModelEma(nn.Module):
     @property
     def module(self) -> nn.Module:
         """An nn.Module in eval mode evaluating the EMA weights: the model's structure (copied
-        without its tensors) with the EMA tensors as its weights, shared, not stored twice. For a
-        model deepcopy refuses (FSDP2, locks, handles) it runs the model itself with the EMA
-        swapped in for each call (see swapped())."""
+        without its tensors) with the EMA tensors as its weights, shared, not stored twice, and
+        the model's own non-persistent buffers (one copy on the EMA's device where the EMA lives
+        on another). For a model deepcopy refuses (FSDP2, locks, handles) it runs the model
+        itself with the EMA swapped in for each call (see swapped())."""
         self.synchronize()
         return self._binding.module_for(self)
 

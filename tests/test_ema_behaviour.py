@@ -1,7 +1,9 @@
 """ModelEma's everyday behaviour: the schedule (warmup, update_after_step, update_every, given
 steps), buffers, dtypes, ema.module, wrappers, stats and argument checks."""
 
+import copy
 import math
+import pickle
 import threading
 import warnings
 
@@ -11,6 +13,8 @@ from torch import nn
 
 import fused_ema
 from ema_helpers import TiedNet, small_mlp, train_step
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def python_decay(step, decay, warmup=None, min_decay=0.0, update_after_step=0):
@@ -249,6 +253,159 @@ def test_module_shares_the_ema_tensors_and_evaluates():
     ema.update(model)
     assert ema.module is module  # kept, and it sees the update in place
     assert torch.equal(module[0].weight, ema.state_dict()["weights"]["0.weight"])
+
+
+class CachedTables(nn.Module):
+    """Derived tables registered with persistent=False, as rotary embeddings and attention masks
+    are: one float table registered in both blocks, and a bool mask."""
+
+    def __init__(self, length=12, width=8):
+        super().__init__()
+        table = torch.randn(length, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        for block in self.blocks:
+            block.register_buffer("table", table, persistent=False)
+        self.register_buffer("mask", torch.rand(length, width) < 0.3, persistent=False)
+        self.register_buffer("gain", torch.randn(width))  # persistent: averaged
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x * block.table))
+        return (x * self.gain).masked_fill(self.mask, 0.0)
+
+
+def cached_tables_reference(weights, model, x):
+    """CachedTables.forward in float64 on the CPU, from the EMA's weights and the model's own
+    tables."""
+    x = x.to("cpu", torch.float64)
+    for i, block in enumerate(model.blocks):
+        w, b = (weights[f"blocks.{i}.{k}"].to("cpu", torch.float64) for k in ("weight", "bias"))
+        x = torch.tanh((x * block.table.to("cpu", torch.float64)) @ w.T + b)
+    return (x * weights["gain"].to("cpu", torch.float64)).masked_fill(model.mask.cpu(), 0.0)
+
+
+def drifted(model, generator):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator).to(p.device))
+    return model
+
+
+def assert_evaluates(ema, model, generator, rtol=1e-5):
+    module = ema.module
+    x = torch.randn(12, 8, generator=generator)
+    got = module(x.to(module.gain.device, module.gain.dtype)).to("cpu", torch.float64)
+    expected = cached_tables_reference(ema.state_dict()["weights"], model, x)
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=rtol)
+
+
+def assert_shares_the_tables(module, model):
+    assert len(module.blocks) == len(model.blocks)
+    for ours, theirs in zip(module.blocks, model.blocks):
+        assert ours.table is theirs.table, "a non-persistent buffer stored twice"
+    assert module.mask is model.mask
+    assert module.gain is not model.gain  # persistent: the EMA's own average
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"device": "cpu"}, {"dtype": torch.float64}],
+    ids=["default", "device=cpu", "float64-ema"],
+)
+def test_module_shares_the_models_non_persistent_buffers(kwargs):
+    """A rotary table or mask (persistent=False: derived, never averaged) is not stored twice:
+    on the model's device ema.module holds the model's own tensor. Another EMA dtype is no
+    device change: the table keeps the model's dtype and stays shared."""
+    torch.manual_seed(14)
+    g = torch.Generator().manual_seed(15)
+    model = CachedTables()
+    ema = fused_ema.ModelEma(model, decay=0.75, **kwargs)
+    for _ in range(3):
+        ema.update(drifted(model, g))
+        assert_shares_the_tables(ema.module, model)
+        assert_evaluates(ema, model, g)
+
+
+def test_module_keeps_sharing_non_persistent_buffers_as_the_ema_follows_the_model():
+    torch.manual_seed(16)
+    g = torch.Generator().manual_seed(17)
+    model = CachedTables()
+    ema = fused_ema.ModelEma(model, decay=0.75, on_mismatch="resync")
+    ema.update(drifted(model, g))
+    extra = nn.Linear(8, 8)
+    extra.register_buffer("table", torch.randn(12, 8, generator=g), persistent=False)
+    model.blocks.append(extra)  # a new structure: ema.module is rebuilt for it
+    ema.update(drifted(model, g))
+    assert len(ema.module.blocks) == 3
+    assert_shares_the_tables(ema.module, model)
+    assert_evaluates(ema, model, g)
+    ema.resync(drifted(model, g))
+    assert_shares_the_tables(ema.module, model)
+    assert_evaluates(ema, model, g)
+    other = copy.deepcopy(ema)
+    other.update(drifted(model, g))
+    ema.load_state_dict(other.state_dict())
+    assert_shares_the_tables(ema.module, model)
+    assert_evaluates(ema, model, g)
+    ema.to(torch.float64)  # a dtype, not a device
+    ema.to("cpu")  # where it already is
+    assert_shares_the_tables(ema.module, model)
+    assert_evaluates(ema, model, g, rtol=1e-12)
+
+
+def test_copies_of_the_ema_keep_the_tables_with_what_they_copy():
+    """A deepcopy or unpickled EMA is independent of the model: its ema.module owns one copy of
+    each table (still one tensor for both blocks). A parent deepcopied with both the model and
+    the EMA gets an ema.module sharing the copied model's tables."""
+    torch.manual_seed(18)
+    g = torch.Generator().manual_seed(19)
+    model = CachedTables()
+    ema = fused_ema.ModelEma(model, decay=0.75)
+    ema.update(drifted(model, g))
+    x = torch.randn(12, 8, generator=g)
+    expected = ema.module(x)
+    for other in (copy.deepcopy(ema), pickle.loads(pickle.dumps(ema))):
+        module = other.module
+        assert module.blocks[0].table is not model.blocks[0].table
+        assert torch.equal(module.blocks[0].table, model.blocks[0].table)
+        assert module.blocks[1].table is module.blocks[0].table
+        assert torch.equal(module.mask, model.mask)
+        torch.testing.assert_close(module(x), expected, rtol=0, atol=0)
+        other.update(model)  # binds to the model by name and keeps working
+    parent = nn.Module()
+    parent.model, parent.ema = model, ema
+    twin = copy.deepcopy(parent)
+    assert_shares_the_tables(twin.ema.module, twin.model)
+    assert twin.model.mask is not model.mask
+    torch.testing.assert_close(twin.ema.module(x), expected, rtol=0, atol=0)
+
+
+@cuda
+@pytest.mark.parametrize(
+    "model_device, ema_device",
+    [("cuda", None), ("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")],
+)
+def test_non_persistent_buffers_across_devices(model_device, ema_device):
+    """Shared where the EMA lives on the model's device; an EMA on another device (a CPU EMA of
+    a CUDA model) holds one copy of each table there (the table of both blocks stays one
+    tensor), so ema.module runs on the EMA's device."""
+    torch.manual_seed(20)
+    g = torch.Generator().manual_seed(21)
+    model = CachedTables().to(model_device)
+    ema = fused_ema.ModelEma(model, decay=0.75, device=ema_device)
+    ema.update(drifted(model, g))
+    module = ema.module
+    if ema_device is None or ema_device == model_device:
+        assert_shares_the_tables(module, model)
+    else:
+        assert len(module.blocks) == len(model.blocks)
+        for ours, theirs in zip(module.blocks, model.blocks):
+            assert ours.table.device.type == ema_device
+            assert torch.equal(ours.table.cpu(), theirs.table.cpu())
+        assert module.blocks[1].table is module.blocks[0].table
+        assert module.mask.device.type == ema_device
+        assert torch.equal(module.mask.cpu(), model.mask.cpu())
+    assert_evaluates(ema, model, g)
 
 
 class Locked(nn.Module):

@@ -6,6 +6,7 @@ import copy
 import gc
 import itertools
 import math
+import os
 import pickle
 import signal
 import sys
@@ -345,11 +346,142 @@ def test_an_interrupt_during_an_update_is_all_or_nothing(delay_ms):
         signal.signal(signal.SIGALRM, previous)
 
 
+# ---------------------------------------------------------------------- grad mode
+
+without_grad = fused_ema._C.without_grad
+
+
+def _raises(error):
+    assert not torch.is_grad_enabled()
+    raise error
+
+
+def _switches_grad_on():
+    torch.set_grad_enabled(True)  # what fn leaves behind does not outlive the call either
+    return torch.is_grad_enabled()
+
+
+def _nested():
+    """Inside an outer without_grad: an inner one under enable_grad gives back grad mode on."""
+    with torch.enable_grad():
+        inner = without_grad(torch.is_grad_enabled)
+        after_inner = torch.is_grad_enabled()
+    return inner, after_inner, torch.is_grad_enabled()
+
+
+def _grad_mode_ways_out(grad: bool) -> list:
+    """Runs without_grad every way it can end, with grad mode `grad`; returns what failed."""
+    failed = []
+
+    def check(what, ok=True):
+        if not ok or torch.is_grad_enabled() is not grad:
+            failed.append(f"{what} (grad mode now {torch.is_grad_enabled()})")
+
+    torch.set_grad_enabled(grad)
+    marker = object()
+    check(
+        "a normal return",
+        without_grad(lambda *a: (torch.is_grad_enabled(), a), marker, 2) == (False, (marker, 2)),
+    )
+    for error in (ValueError("from fn"), KeyboardInterrupt()):
+        try:
+            without_grad(_raises, error)
+            check(f"{type(error).__name__} swallowed", False)
+        except BaseException as raised:
+            check(f"{type(error).__name__} raised in fn", raised is error)
+    check("fn switching grad mode on", without_grad(_switches_grad_on) is True)
+    check("nested", without_grad(_nested) == (False, True, False))
+    try:
+        without_grad(42)
+        check("a non-callable", False)
+    except TypeError:
+        check("a non-callable")
+    return failed
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad-on", "grad-off"])
+def test_without_grad_runs_fn_without_autograd_and_restores_the_mode_every_way_out(grad):
+    before = torch.is_grad_enabled()
+    try:
+        assert _grad_mode_ways_out(grad) == []
+    finally:
+        torch.set_grad_enabled(before)
+    with pytest.raises(TypeError, match="needs fn"):
+        without_grad()
+
+
+def test_without_grad_restores_the_mode_after_an_asynchronous_keyboard_interrupt():
+    """A real SIGALRM raising KeyboardInterrupt while fn runs Python code."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    seen = []
+
+    def spin():
+        seen.append(torch.is_grad_enabled())
+        while True:
+            pass
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                signal.setitimer(signal.ITIMER_REAL, 0.01)
+                with pytest.raises(KeyboardInterrupt):
+                    without_grad(spin)
+                assert torch.is_grad_enabled() is grad
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert seen == [False, False]
+
+
+def test_without_grad_in_a_thread_changes_only_that_threads_mode():
+    """Grad mode is per thread: a thread inside without_grad leaves the main thread's alone,
+    and gets back its own (on by default in a new thread, or off if it switched it off)."""
+    inside, release = threading.Event(), threading.Event()
+    results = {}
+
+    def hold():
+        inside.set()
+        assert release.wait(10)
+        return torch.is_grad_enabled()
+
+    def worker():
+        results["held"] = without_grad(hold)
+        results["after"] = torch.is_grad_enabled()
+        results["ways out, grad on"] = _grad_mode_ways_out(True)
+        results["ways out, grad off"] = _grad_mode_ways_out(False)
+        results["left"] = torch.is_grad_enabled()
+
+    for main_grad in (True, False):
+        inside.clear(), release.clear()
+        with torch.set_grad_enabled(main_grad):
+            thread = threading.Thread(target=worker)
+            thread.start()
+            assert inside.wait(10)
+            assert torch.is_grad_enabled() is main_grad  # the thread is inside without_grad
+            release.set()
+            thread.join(10)
+            assert torch.is_grad_enabled() is main_grad
+        assert results == {
+            "held": False,
+            "after": True,
+            "ways out, grad on": [],
+            "ways out, grad off": [],
+            "left": False,
+        }
+
+
 class InterruptAt:
     """A profile function (sys.setprofile) that raises KeyboardInterrupt at the n-th point of the
     profiled call where CPython can run a signal handler: a Python function starting ("call",
     its RESUME) or a call into C returning ("c_return", the check after a CALL). Profiling stops
     once it has raised, so each run is interrupted once, as by one signal."""
+
+    install = staticmethod(sys.setprofile)
 
     def __init__(self, n: int):
         self.n, self.seen, self.grad_when_fired = n, 0, None
@@ -362,22 +494,50 @@ class InterruptAt:
                 raise KeyboardInterrupt
 
 
-def interrupted_everywhere(call, after_each=lambda interrupted: None, limit=100_000):
-    """Runs `call()` interrupted at its 1st, 2nd, 3rd... point (InterruptAt), then once more past
-    its last one (it completes), calling `after_each(interrupted)` after every run. Returns the
-    hooks that fired."""
+FUSED_EMA_SOURCES = os.path.dirname(fused_ema.__file__) + os.sep
+
+
+class InterruptAtLine:
+    """A trace function (sys.settrace) that raises KeyboardInterrupt at the n-th line of
+    fused_ema's own Python code that the traced call runs, wherever that is: also where no
+    signal handler can run (inside a finally block, before its first call), so it finds any
+    window in which Python code has switched a mode and not yet switched it back. Tracing stops
+    once it has raised (CPython drops a trace function that raises)."""
+
+    install = staticmethod(sys.settrace)
+
+    def __init__(self, n: int):
+        self.n, self.seen, self.grad_when_fired = n, 0, None
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            return self if frame.f_code.co_filename.startswith(FUSED_EMA_SOURCES) else None
+        if event == "line":
+            self.seen += 1
+            if self.seen == self.n:
+                self.grad_when_fired = torch.is_grad_enabled()
+                raise KeyboardInterrupt
+        return self
+
+
+def interrupted_everywhere(
+    call, after_each=lambda interrupted: None, limit=100_000, point=InterruptAt
+):
+    """Runs `call()` interrupted at its 1st, 2nd, 3rd... `point` (InterruptAt or
+    InterruptAtLine), then once more past its last one (it completes), calling
+    `after_each(interrupted)` after every run. Returns the hooks that fired."""
     fired = []
     for n in itertools.count(1):
         assert n < limit, "the call never completed"
-        hook = InterruptAt(n)
-        sys.setprofile(hook)
+        hook = point(n)
+        point.install(hook)
         try:
             call()
             interrupted = False
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            sys.setprofile(None)
+            point.install(None)
         after_each(interrupted)
         if hook.seen < n:  # it ran to its end without reaching the n-th point
             assert not interrupted
@@ -400,16 +560,22 @@ def _resynced_update(ema, model):
     ema.update(model)
 
 
+def _non_blocking_update(ema, model):
+    ema.update(model, non_blocking=True)  # the CPU half runs on the worker thread
+    ema.synchronize()
+
+
 def _changed_copy(model):
     other = copy.deepcopy(model)
     trained(other, 1, seed=3)
     return other
 
 
-# Every public call that switches grad mode off for its own work.
+# Every public call that switches grad mode off for its own work, and state_dict, which does not.
 GRAD_MODE_CALLS = {
     "ModelEma()": lambda ema, model: fused_ema.ModelEma(model, decay=0.9),
     "update": lambda ema, model: ema.update(model),
+    "update(non_blocking=True)": _non_blocking_update,
     "update(step=)": lambda ema, model: ema.update(model, step=7),
     "update resyncing": _resynced_update,
     "resync": lambda ema, model: ema.resync(model),
@@ -417,30 +583,39 @@ GRAD_MODE_CALLS = {
     "copy_to": lambda ema, model: ema.copy_to(model),
     "swapped": _swapped,
     "load_state_dict": lambda ema, model: ema.load_state_dict(ema.state_dict()),
+    "state_dict": lambda ema, model: ema.state_dict(),
     "full_state_dict": lambda ema, model: ema.full_state_dict(),
     "stats": lambda ema, model: ema.stats(model),
 }
-
-
-# With grad mode off the calls must leave it off (not switch it back on): two of them suffice.
-GRAD_MODE_CASES = [(name, True) for name in GRAD_MODE_CALLS] + [
-    ("update", False),
-    ("swapped", False),
+GRAD_MODE_KEPT_ON = {"state_dict"}  # calls that never switch autograd off
+# The calls of issue 19 (a SIGALRM in update left autograd off), also with grad mode off, which
+# they must leave off (not switch back on).
+INTERRUPTED_CALLS = [
+    "update",
+    "update(non_blocking=True)",
+    "swapped",
+    "load_state_dict",
+    "state_dict",
+    "resync",
 ]
+GRAD_MODE_CASES = [(name, True) for name in GRAD_MODE_CALLS] + [
+    (name, False) for name in INTERRUPTED_CALLS
+]
+GRAD_MODE_IDS = [f"{n}-grad-{'on' if g else 'off'}" for n, g in GRAD_MODE_CASES]
+
+
+def _target_for(name, model):
+    return _changed_copy(model) if name in ("copy_to", "swapped") else model
 
 
 @ignore_dropped
-@pytest.mark.parametrize(
-    "name, grad",
-    GRAD_MODE_CASES,
-    ids=[f"{n}-grad-{'on' if g else 'off'}" for n, g in GRAD_MODE_CASES],
-)
+@pytest.mark.parametrize("name, grad", GRAD_MODE_CASES, ids=GRAD_MODE_IDS)
 def test_an_interrupt_anywhere_leaves_the_callers_grad_mode(name, grad):
     """Deterministic: each call is interrupted at every point where a signal handler can run
     inside it, in turn; the caller's grad mode must be as it was after every one."""
     call = GRAD_MODE_CALLS[name]
     model, ema = moved_ema(on_mismatch="resync")
-    target = _changed_copy(model) if name in ("copy_to", "swapped") else model
+    target = _target_for(name, model)
 
     def grad_mode_kept(interrupted):
         assert torch.is_grad_enabled() is grad, f"grad mode changed ({interrupted=})"
@@ -448,9 +623,88 @@ def test_an_interrupt_anywhere_leaves_the_callers_grad_mode(name, grad):
 
     with torch.set_grad_enabled(grad):
         fired = interrupted_everywhere(lambda: call(ema, target), grad_mode_kept)
-    assert len(fired) > 10
-    if grad:  # some interrupts landed where the call had switched autograd off
+    ema.synchronize()
+    assert len(fired) > 5
+    if grad and name not in GRAD_MODE_KEPT_ON:  # some landed where autograd was off
         assert any(hook.grad_when_fired is False for hook in fired)
+
+
+LINE_CASES = [(name, True) for name in INTERRUPTED_CALLS] + [
+    ("update", False),
+    ("update(non_blocking=True)", False),
+    ("swapped", False),
+]
+
+
+@ignore_dropped
+@pytest.mark.parametrize(
+    "name, grad", LINE_CASES, ids=[f"{n}-grad-{'on' if g else 'off'}" for n, g in LINE_CASES]
+)
+def test_an_interrupt_at_any_line_of_fused_ema_leaves_the_callers_grad_mode(name, grad):
+    """Stricter than the test above: the call is interrupted at every line of fused_ema's own
+    Python code in turn, including where CPython never runs a signal handler, so grad mode must
+    be switched and restored with no Python line in between (fused_ema._C.without_grad). Such
+    an interrupt can break promises made only for real signals (swapped's restore), so each run
+    gets a fresh copy of the EMA and its model, warmed up by one uninterrupted call."""
+    call = GRAD_MODE_CALLS[name]
+    model, ema = moved_ema(on_mismatch="resync")
+    target = _target_for(name, model)
+    fresh = []
+
+    def next_pair(interrupted=None):
+        if interrupted is not None:
+            assert torch.is_grad_enabled() is grad, f"grad mode changed ({interrupted=})"
+            assert not torch.is_inference_mode_enabled()
+        fresh[:] = copy.deepcopy((ema, target))
+        call(*fresh)
+        fresh[0].synchronize()
+
+    with torch.set_grad_enabled(grad):
+        next_pair()
+        fired = interrupted_everywhere(lambda: call(*fresh), next_pair, point=InterruptAtLine)
+    assert len(fired) > 20
+    if grad and name not in GRAD_MODE_KEPT_ON:
+        assert any(hook.grad_when_fired is False for hook in fired)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad-on", "grad-off"])
+def test_sigalrm_at_tiny_intervals_never_changes_the_callers_grad_mode(grad):
+    """Real signals, as in issue 19: a timer raising KeyboardInterrupt after 10 us to 5 ms, over
+    and over, during each call (the non_blocking update's worker included)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    torch.manual_seed(8)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(16)])
+    ema = fused_ema.ModelEma(model, decay=0.75, on_mismatch="resync")
+    armed, outcomes = [False], {name: [] for name in INTERRUPTED_CALLS}
+
+    def interrupt(*_):  # only while armed, as in the SIGALRM test above
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with torch.set_grad_enabled(grad):
+            for name in INTERRUPTED_CALLS:
+                call = GRAD_MODE_CALLS[name]
+                for k in range(36):
+                    try:
+                        armed[0] = True
+                        signal.setitimer(signal.ITIMER_REAL, 1e-5 * 1.2**k)
+                        call(ema, model)
+                        outcomes[name].append(False)
+                    except KeyboardInterrupt:
+                        outcomes[name].append(True)
+                    finally:
+                        armed[0] = False
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    assert torch.is_grad_enabled() is grad, f"{name}: grad mode changed"
+                    assert not torch.is_inference_mode_enabled()
+                ema.synchronize()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert all(any(runs) for runs in outcomes.values()), "some call was never interrupted"
 
 
 @ignore_dropped

@@ -299,6 +299,32 @@ def test_module_fetched_earlier_waits_for_a_non_blocking_update(slow_worker):
     assert torch.equal(module[3].bias, model[3].bias.detach() - 1.0)
 
 
+def test_non_blocking_update_after_ema_module_requires_grad(slow_worker):
+    """ema.module.requires_grad_(True) makes the EMA tensors require grad; the update is no
+    autograd op, and grad mode is per thread: the worker switches it off for its own job."""
+    torch.manual_seed(12)
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.75, device="cpu")
+    ema.module.requires_grad_(True)
+    reference = {n: v.double() for n, v in ema.state_dict()["weights"].items()}
+    g = torch.Generator().manual_seed(13)
+    for non_blocking in (True, False, True, True):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+        weight = 1.0 if ema.step == 0 else 0.25
+        ema.update(model, non_blocking=non_blocking)
+        for name, value in model.state_dict().items():
+            if value.is_floating_point():
+                reference[name] += weight * (value.double() - reference[name])
+            else:
+                reference[name] = value.double()
+        assert torch.is_grad_enabled()
+    for name, value in ema.state_dict()["weights"].items():
+        torch.testing.assert_close(value.double(), reference[name], rtol=1e-6, atol=1e-6)
+    assert all(p.requires_grad for p in ema.module.parameters())  # left as the user set it
+
+
 @cuda
 def test_cuda_model_cpu_ema_non_blocking_is_stream_ordered():
     a, b = run_pair(10, small_mlp(device="cuda"), device="cuda")
