@@ -67,7 +67,7 @@ if ! fused_ema_torch_is; then
   fused_ema_torch_is || fused_ema_fail "asked for $FUSED_EMA_TORCH, $FUSED_EMA_VENV has torch" \
     "$(python -c "import torch; print(torch.__version__)" 2>&1 | tail -n 1)"
 fi
-fused_ema_torch_version=$(python -c "import torch; print(torch.__version__)")
+fused_ema_torch_version=$(python -c "import torch; print(torch.__version__)" 2>/dev/null)
 
 # The rest is checked and installed (what is missing) once per venv and version of this script.
 fused_ema_setup_stamp=$( (cat "$FUSED_EMA_ROOT/.ci/env.sh"; echo "$fused_ema_python"
@@ -133,14 +133,15 @@ if [ "$(cat "$fused_ema_stamp_file" 2>/dev/null)" != "$(fused_ema_stamp)" ] \
   fused_ema_log "building fused_ema (pip install --no-build-isolation -e .)" \
     "${FUSED_EMA_FORCE_CPU:+with FUSED_EMA_FORCE_CPU=$FUSED_EMA_FORCE_CPU}"
   fused_ema_build_started=$SECONDS
-  # ccache, where installed, keeps compiled objects across venvs and clones (~/.cache/ccache).
+  # An editable build starts from an empty build directory, so every rebuild compiles every file;
+  # ccache, where installed, makes a rebuild of the same checkout and venv recompile only what
+  # changed (a fresh clone, at another path, misses).
   fused_ema_path=$PATH
   if command -v ccache >/dev/null 2>&1; then
     mkdir -p "$FUSED_EMA_VENV/ccache"
     for fused_ema_cc in gcc g++ cc c++; do
       ln -sf "$(command -v ccache)" "$FUSED_EMA_VENV/ccache/$fused_ema_cc"
     done
-    export CCACHE_BASEDIR=$FUSED_EMA_ROOT
     PATH="$FUSED_EMA_VENV/ccache:$PATH"
   fi
   python -m pip install -q --no-build-isolation --no-deps -e "$FUSED_EMA_ROOT"
