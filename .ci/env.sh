@@ -1,77 +1,154 @@
-# Sourced by tests/run.sh, benchmarks/run.sh and .ci/run: makes .venv (once) with torch, the test
+# Sourced by tests/run.sh, benchmarks/run.sh and .ci/run: makes a venv (once) with torch, the test
 # and benchmark dependencies and fused_ema built in place, then activates it. Rebuilds only when
-# csrc/, setup.py or pyproject.toml changed. Override: FUSED_EMA_VENV (where), PYTHON (which
-# interpreter), FUSED_EMA_TORCH (the torch requirement, default torch==2.13.0: a CPU build here).
+# csrc/, setup.py or pyproject.toml changed. FUSED_EMA_LEG picks a (Python, torch) pair of the CI
+# matrix (.ci/legs.sh; default py311-torch2.13 in .venv): its interpreter, exact torch, venv, and
+# a CPU-only build. Override: FUSED_EMA_VENV (where), PYTHON (which interpreter), FUSED_EMA_TORCH
+# (the torch requirement, default the leg's, torch==2.13.0: a CPU build here).
+# shellcheck shell=bash
 set -euo pipefail
 FUSED_EMA_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-FUSED_EMA_VENV=${FUSED_EMA_VENV:-$FUSED_EMA_ROOT/.venv}
+# shellcheck source=.ci/legs.sh
+source "$FUSED_EMA_ROOT/.ci/legs.sh"
 
-fused_ema_log() { printf '[fused_ema setup] %s\n' "$*" >&2; }
+fused_ema_log() { printf '[fused_ema setup%s] %s\n' "${FUSED_EMA_LEG:+ $FUSED_EMA_LEG}" "$*" >&2; }
+fused_ema_fail() {
+  fused_ema_log "FAILED: $*"
+  exit 1
+}
+fused_ema_setup_started=$SECONDS
+FUSED_EMA_BUILD_S=0
+
+if ! fused_ema_leg "${FUSED_EMA_LEG:-${FUSED_EMA_LEGS[0]}}"; then
+  fused_ema_fail "unknown FUSED_EMA_LEG=$FUSED_EMA_LEG (the legs: ${FUSED_EMA_LEGS[*]})"
+fi
+if [ -z "${PYTHON:-}" ] && ! PYTHON=$(fused_ema_find_python "$FUSED_EMA_LEG_PYTHON"); then
+  # Without FUSED_EMA_LEG any Python 3.10+ will do (python3); a named leg needs its own.
+  [ -z "${FUSED_EMA_LEG:-}" ] || fused_ema_fail "no Python $FUSED_EMA_LEG_PYTHON found" \
+    "(python$FUSED_EMA_LEG_PYTHON, pyenv): install it or set PYTHON"
+  PYTHON=python3
+fi
+export FUSED_EMA_VENV=${FUSED_EMA_VENV:-$FUSED_EMA_ROOT/$FUSED_EMA_LEG_VENV}
+FUSED_EMA_TORCH=${FUSED_EMA_TORCH:-torch==$FUSED_EMA_LEG_TORCH}
+# A registry torch is a CUDA build: with nvcc found, setup.py would build the CUDA kernel too
+# (many minutes); a named leg builds the CPU kernel only unless FUSED_EMA_FORCE_CUDA is set.
+if [ -n "${FUSED_EMA_LEG:-}" ] && [ "$FUSED_EMA_LEG_FORCE_CPU" = 1 ] \
+    && [ -z "${FUSED_EMA_FORCE_CUDA:-}" ]; then
+  export FUSED_EMA_FORCE_CPU=${FUSED_EMA_FORCE_CPU:-1}
+fi
 
 if [ ! -x "$FUSED_EMA_VENV/bin/python" ]; then
-  fused_ema_log "creating $FUSED_EMA_VENV"
-  "${PYTHON:-python3}" -m venv "$FUSED_EMA_VENV"
+  fused_ema_log "creating $FUSED_EMA_VENV with $PYTHON"
+  "$PYTHON" -m venv "$FUSED_EMA_VENV"
 fi
 # shellcheck disable=SC1091
 source "$FUSED_EMA_VENV/bin/activate"
-
-if ! python -c "import torch" >/dev/null 2>&1; then
-  fused_ema_log "installing ${FUSED_EMA_TORCH:-torch==2.13.0}"
-  python -m pip install -q "${FUSED_EMA_TORCH:-torch==2.13.0}"
+fused_ema_python=$(python -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
+if [ -n "${FUSED_EMA_LEG:-}" ] && [ "${fused_ema_python%.*}" != "$FUSED_EMA_LEG_PYTHON" ]; then
+  fused_ema_fail "$FUSED_EMA_VENV has Python $fused_ema_python, the leg needs" \
+    "$FUSED_EMA_LEG_PYTHON: remove that venv or set FUSED_EMA_VENV"
 fi
 
-# Tools and libraries that never pull in another torch (the EMA peers are pure Python and are
-# installed without their dependencies, so pip never resolves or replaces torch).
-fused_ema_requirements="setuptools>=64 wheel ninja pytest hypothesis numpy matplotlib tqdm"
-if ! python -c "import ninja, pytest, hypothesis, numpy, matplotlib, tqdm" >/dev/null 2>&1; then
-  fused_ema_log "installing build, test and benchmark tools"
+# torch first, exactly the version asked for (an exact pin lifts any pip constraint on torch for
+# this one command: the machine's own caps it below the newest release).
+fused_ema_torch_pin=$(sed -n 's/^torch==\([0-9][0-9A-Za-z.+]*\)$/\1/p' <<<"$FUSED_EMA_TORCH")
+fused_ema_torch_is() {
+  local have
+  have=$(python -c "import torch; print(torch.__version__)" 2>/dev/null) || return 1
+  [ -z "$fused_ema_torch_pin" ] || [ "$have" = "$fused_ema_torch_pin" ] \
+    || { [[ $fused_ema_torch_pin != *+* ]] && [ "${have%%+*}" = "$fused_ema_torch_pin" ]; }
+}
+if ! fused_ema_torch_is; then
+  fused_ema_log "installing $FUSED_EMA_TORCH"
+  if [ -n "$fused_ema_torch_pin" ]; then
+    PIP_CONSTRAINT=/dev/null python -m pip install -q "$FUSED_EMA_TORCH"
+  else
+    python -m pip install -q "$FUSED_EMA_TORCH"
+  fi
+  fused_ema_torch_is || fused_ema_fail "asked for $FUSED_EMA_TORCH, $FUSED_EMA_VENV has torch" \
+    "$(python -c "import torch; print(torch.__version__)" 2>&1 | tail -n 1)"
+fi
+fused_ema_torch_version=$(python -c "import torch; print(torch.__version__)" 2>/dev/null)
+
+# The rest is checked and installed (what is missing) once per venv and version of this script.
+fused_ema_setup_stamp=$( (cat "$FUSED_EMA_ROOT/.ci/env.sh"; echo "$fused_ema_python"
+  echo "$fused_ema_torch_version") | sha256sum | cut -c1-16)
+fused_ema_setup_stamp_file="$FUSED_EMA_VENV/.fused_ema_setup"
+if [ "$(cat "$fused_ema_setup_stamp_file" 2>/dev/null)" != "$fused_ema_setup_stamp" ]; then
+  fused_ema_requirements="setuptools>=64 wheel ninja pytest hypothesis numpy matplotlib tqdm"
+  if ! python -c "import ninja, pytest, hypothesis, numpy, matplotlib, tqdm" >/dev/null 2>&1; then
+    fused_ema_log "installing build, test and benchmark tools"
+    # shellcheck disable=SC2086
+    python -m pip install -q $fused_ema_requirements
+  fi
+  if ! python -c "import ema_pytorch, torch_ema" >/dev/null 2>&1; then
+    fused_ema_log "installing the EMA libraries compared against (ema-pytorch, torch-ema)"
+    python -m pip install -q --no-deps ema-pytorch torch-ema \
+      || fused_ema_log "could not install ema-pytorch/torch-ema: those comparisons will be skipped"
+  fi
+  # timm is compared through one file, timm/utils/model_ema.py, loaded on its own
+  # (benchmarks/peers.py): importing the timm package would import torchvision, which has no CPU
+  # build for every torch.
+  fused_ema_timm=1.0.31
+  if [ "$(python -c 'import importlib.metadata as m; print(m.version("timm"))' 2>/dev/null)" \
+      != "$fused_ema_timm" ]; then
+    fused_ema_log "installing timm==$fused_ema_timm without its dependencies (for ModelEmaV3)"
+    python -m pip install -q --no-deps "timm==$fused_ema_timm" \
+      || fused_ema_log "could not install timm==$fused_ema_timm: its comparisons will be skipped"
+  fi
+  # The framework integrations are tested with the real frameworks (diffusers: the migration
+  # tests). They go in without their dependencies, which would pull another torch, then their
+  # pure-Python dependencies with pip's usual resolution (none of those needs torch, so torch stays
+  # as it is).
+  fused_ema_frameworks="lightning==2.6.6 pytorch-lightning==2.6.6 lightning-utilities==0.15.3
+    torchmetrics==1.9.0 transformers==5.23.0 accelerate==1.15.0 diffusers==0.42.1"
+  fused_ema_framework_deps="huggingface-hub>=1.32.0,<3.0 tokenizers>=0.23.1,<0.24.0
+    regex>=2025.10.22 safetensors>=0.8.0 typer pyyaml psutil requests importlib-metadata"
   # shellcheck disable=SC2086
-  python -m pip install -q $fused_ema_requirements
-fi
-if ! python -c "import ema_pytorch, torch_ema" >/dev/null 2>&1; then
-  fused_ema_log "installing the EMA libraries compared against (ema-pytorch, torch-ema)"
-  python -m pip install -q --no-deps ema-pytorch torch-ema \
-    || fused_ema_log "could not install ema-pytorch/torch-ema: those comparisons will be skipped"
-fi
-# timm is compared through one file, timm/utils/model_ema.py, loaded on its own (benchmarks/peers.py):
-# importing the timm package would import torchvision, which has no CPU build for every torch.
-fused_ema_timm=1.0.31
-if [ "$(python -c 'import importlib.metadata as m; print(m.version("timm"))' 2>/dev/null)" \
-    != "$fused_ema_timm" ]; then
-  fused_ema_log "installing timm==$fused_ema_timm without its dependencies (ModelEmaV3 is compared)"
-  python -m pip install -q --no-deps "timm==$fused_ema_timm" \
-    || fused_ema_log "could not install timm==$fused_ema_timm: the timm comparisons will be skipped"
-fi
-# The framework integrations are tested with the real frameworks (diffusers: the migration tests).
-# They go in without their dependencies, which would pull another torch, then their pure-Python
-# dependencies with pip's usual resolution (none of those needs torch, so torch stays as it is).
-fused_ema_frameworks="lightning==2.6.6 pytorch-lightning==2.6.6 lightning-utilities==0.15.3
-  torchmetrics==1.9.0 transformers==5.23.0 accelerate==1.15.0 diffusers==0.42.1"
-fused_ema_framework_deps="huggingface-hub>=1.32.0,<3.0 tokenizers>=0.23.1,<0.24.0
-  regex>=2025.10.22 safetensors>=0.8.0 typer pyyaml psutil requests importlib-metadata"
-if ! python -c "
+  if ! python -c "
 import importlib.metadata as m, sys
 want = dict(r.split('==') for r in sys.argv[1:])
 assert all(m.version(name) == version for name, version in want.items())
 import huggingface_hub, tokenizers, safetensors, regex, typer, yaml, psutil, requests
 " $fused_ema_frameworks >/dev/null 2>&1; then
-  fused_ema_log "installing lightning, transformers, accelerate and diffusers (torch left as it is)"
-  # shellcheck disable=SC2086
-  { python -m pip install -q --no-deps $fused_ema_frameworks \
-      && python -m pip install -q $fused_ema_framework_deps; } \
-    || fused_ema_log "could not install lightning/transformers/accelerate/diffusers:" \
-      "those tests will be skipped"
+    fused_ema_log "installing lightning, transformers, accelerate, diffusers (torch left as is)"
+    # shellcheck disable=SC2086
+    { python -m pip install -q --no-deps $fused_ema_frameworks \
+        && python -m pip install -q $fused_ema_framework_deps; } \
+      || fused_ema_log "could not install lightning/transformers/accelerate/diffusers:" \
+        "those tests will be skipped"
+  fi
+  echo "$fused_ema_setup_stamp" >"$fused_ema_setup_stamp_file"
 fi
 
+# The build stamp: the sources, the torch, the CPU/CUDA choice and the checkout it was built from
+# (an editable install points at one checkout).
 fused_ema_stamp() {
   (cd "$FUSED_EMA_ROOT" && find csrc setup.py pyproject.toml -type f -print0 | sort -z \
-    | xargs -0 sha256sum; python -c "import torch; print(torch.__version__)") | sha256sum | cut -c1-16
+    | xargs -0 sha256sum; echo "$fused_ema_torch_version $FUSED_EMA_ROOT"
+    echo "cpu=${FUSED_EMA_FORCE_CPU:-} cuda=${FUSED_EMA_FORCE_CUDA:-}") | sha256sum | cut -c1-16
 }
 fused_ema_stamp_file="$FUSED_EMA_VENV/.fused_ema_build"
 if [ "$(cat "$fused_ema_stamp_file" 2>/dev/null)" != "$(fused_ema_stamp)" ] \
     || ! (cd /tmp && python -c "import fused_ema") >/dev/null 2>&1; then
-  fused_ema_log "building fused_ema (pip install --no-build-isolation -e .)"
+  fused_ema_log "building fused_ema (pip install --no-build-isolation -e .)" \
+    "${FUSED_EMA_FORCE_CPU:+with FUSED_EMA_FORCE_CPU=$FUSED_EMA_FORCE_CPU}"
+  fused_ema_build_started=$SECONDS
+  # An editable build starts from an empty build directory, so every rebuild compiles every file;
+  # ccache, where installed, makes a rebuild of the same checkout and venv recompile only what
+  # changed (a fresh clone, at another path, misses).
+  fused_ema_path=$PATH
+  if command -v ccache >/dev/null 2>&1; then
+    mkdir -p "$FUSED_EMA_VENV/ccache"
+    for fused_ema_cc in gcc g++ cc c++; do
+      ln -sf "$(command -v ccache)" "$FUSED_EMA_VENV/ccache/$fused_ema_cc"
+    done
+    PATH="$FUSED_EMA_VENV/ccache:$PATH"
+  fi
   python -m pip install -q --no-build-isolation --no-deps -e "$FUSED_EMA_ROOT"
+  PATH=$fused_ema_path
+  FUSED_EMA_BUILD_S=$((SECONDS - fused_ema_build_started))
   fused_ema_stamp >"$fused_ema_stamp_file"
 fi
-fused_ema_log "ready: $(cd /tmp && python -m fused_ema --short)"
+FUSED_EMA_SETUP_S=$((SECONDS - fused_ema_setup_started))
+fused_ema_log "ready in ${FUSED_EMA_SETUP_S}s (build ${FUSED_EMA_BUILD_S}s):" \
+  "Python $fused_ema_python, $(cd /tmp && python -m fused_ema --short)"

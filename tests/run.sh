@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The test command of the README: sets up .venv (see .ci/env.sh), then runs pytest on tests/.
-# Extra arguments go to pytest (e.g. bash tests/run.sh -k errors).
+# The test command of the README: sets up the venv (.venv; see .ci/env.sh), then runs pytest on
+# tests/. Extra arguments go to pytest (e.g. bash tests/run.sh -k errors). FUSED_EMA_LEG=NAME runs
+# one leg of the CI matrix instead (.ci/legs.sh; bash .ci/run runs them all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/env.sh
-python -m pytest tests -q "$@"
+pytest_started=$SECONDS
+status=0
+python -m pytest tests -q "$@" || status=$?
+printf '[fused_ema tests%s] pytest exited %d after %ds (setup %ds, build %ds)\n' \
+  "${FUSED_EMA_LEG:+ $FUSED_EMA_LEG}" "$status" "$((SECONDS - pytest_started))" \
+  "$FUSED_EMA_SETUP_S" "$FUSED_EMA_BUILD_S"
+exit "$status"
