@@ -133,19 +133,7 @@ if [ "$(cat "$fused_ema_stamp_file" 2>/dev/null)" != "$(fused_ema_stamp)" ] \
   fused_ema_log "building fused_ema (pip install --no-build-isolation -e .)" \
     "${FUSED_EMA_FORCE_CPU:+with FUSED_EMA_FORCE_CPU=$FUSED_EMA_FORCE_CPU}"
   fused_ema_build_started=$SECONDS
-  # An editable build starts from an empty build directory, so every rebuild compiles every file;
-  # ccache, where installed, makes a rebuild of the same checkout and venv recompile only what
-  # changed (a fresh clone, at another path, misses).
-  fused_ema_path=$PATH
-  if command -v ccache >/dev/null 2>&1; then
-    mkdir -p "$FUSED_EMA_VENV/ccache"
-    for fused_ema_cc in gcc g++ cc c++; do
-      ln -sf "$(command -v ccache)" "$FUSED_EMA_VENV/ccache/$fused_ema_cc"
-    done
-    PATH="$FUSED_EMA_VENV/ccache:$PATH"
-  fi
   python -m pip install -q --no-build-isolation --no-deps -e "$FUSED_EMA_ROOT"
-  PATH=$fused_ema_path
   FUSED_EMA_BUILD_S=$((SECONDS - fused_ema_build_started))
   fused_ema_stamp >"$fused_ema_stamp_file"
 fi
