@@ -95,10 +95,9 @@ class WalkCache {
   // The walk's visitor: remembers every dict it reads and every item. Stops (no error set) at a
   // module whose reads could run Python code, which a cache could not repeat without walking.
   bool module(PyObject* module, const ModuleDicts& d, size_t /*tag*/) {
-    if (modules_ == 0) {
-      root_ = module;
+    if (root_ == nullptr) {
+      root_ = module;  // the walk's first module
     }
-    ++modules_;
     PyObject* buffers = d.buffers.get();
     if (!PyDict_CheckExact(d.dict.get()) || !PyDict_CheckExact(d.parameters.get()) ||
         !PyDict_CheckExact(d.children.get()) || (with_buffers_ && !PyDict_CheckExact(buffers))) {
@@ -126,17 +125,11 @@ class WalkCache {
       return false;
     }
     for (size_t k = 0; k < items_.size(); ++k) {
-      ItemHeader header;
-      c10::IntArrayRef sizes;
       if (PyList_GET_ITEM(walk, static_cast<Py_ssize_t>(k)) != items_[k] ||
-          !describe_item(items_[k], header, sizes)) {
+          !append_signature(items_[k], signature_)) {
         PyErr_Clear();
         return false;
       }
-      const char* h = reinterpret_cast<const char*>(&header);
-      const char* s = reinterpret_cast<const char*>(sizes.data());
-      signature_.insert(signature_.end(), h, h + sizeof(header));
-      signature_.insert(signature_.end(), s, s + sizes.size() * sizeof(int64_t));
     }
     for (const ReadDict& read : read_) {
       if (!DictWatch::get().watch(read.dict.get(), read.instance_dict, this)) {
@@ -248,7 +241,6 @@ class WalkCache {
   const bool with_buffers_;
   bool changed_ = false;
   PyObject* root_ = nullptr;  // compared by address only
-  size_t modules_ = 0;
   std::vector<ReadDict> read_;
   std::vector<PyObject*> watched_;
   std::vector<Persistence> persistence_;

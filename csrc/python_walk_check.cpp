@@ -47,15 +47,9 @@ PyObject* python_walk_signature(PyObject* /*module*/, PyObject* walk) {
   std::vector<char> bytes;
   bytes.reserve(static_cast<size_t>(PyList_GET_SIZE(walk)) * (sizeof(ItemHeader) + 16));
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(walk); ++i) {
-    ItemHeader header;
-    c10::IntArrayRef sizes;
-    if (!describe_item(PyList_GET_ITEM(walk, i), header, sizes)) {
+    if (!append_signature(PyList_GET_ITEM(walk, i), bytes)) {
       return nullptr;
     }
-    const char* h = reinterpret_cast<const char*>(&header);
-    const char* s = reinterpret_cast<const char*>(sizes.data());
-    bytes.insert(bytes.end(), h, h + sizeof(header));
-    bytes.insert(bytes.end(), s, s + sizes.size() * sizeof(int64_t));
   }
   return PyBytes_FromStringAndSize(bytes.data(), static_cast<Py_ssize_t>(bytes.size()));
   END_HANDLE_TH_ERRORS

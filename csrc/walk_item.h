@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace fused_ema {
 
@@ -43,6 +44,21 @@ inline bool describe_item(PyObject* item, ItemHeader& header, c10::IntArrayRef& 
   header.device_type = static_cast<int8_t>(device.type());
   header.device_index = static_cast<int8_t>(device.index());
   header.ndim = static_cast<int32_t>(sizes.size());
+  return true;
+}
+
+// Appends the item's signature (header, then sizes) to `out`; false with TypeError set for
+// anything but a tensor or None.
+inline bool append_signature(PyObject* item, std::vector<char>& out) {
+  ItemHeader header;
+  c10::IntArrayRef sizes;
+  if (!describe_item(item, header, sizes)) {
+    return false;
+  }
+  const char* h = reinterpret_cast<const char*>(&header);
+  const char* s = reinterpret_cast<const char*>(sizes.data());
+  out.insert(out.end(), h, h + sizeof(header));
+  out.insert(out.end(), s, s + sizes.size() * sizeof(int64_t));
   return true;
 }
 
