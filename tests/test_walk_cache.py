@@ -5,6 +5,7 @@ a walk; and a ModelEma that uses the cache behaves bit for bit like one that wal
 
 import contextlib
 import copy
+import gc
 import sys
 import weakref
 from unittest import mock
@@ -386,3 +387,26 @@ def test_unwrap_model_finds_what_getattr_finds(index):
         assert type(got) is type(expected) is nn.Linear
     else:
         assert got is expected
+
+
+@needs_cache
+@pytest.mark.parametrize("change", ["_parameters dict write", "module renamed", "model.double()"])
+def test_a_dropped_cache_leaves_another_on_the_same_model_watching(change):
+    """Two caches (two EMAs of one model) watch the same dicts: dropping one must not stop the
+    other from seeing a change, and a cache dropped after its model died unwatches nothing live."""
+    model = net()
+    first, walk, _ = cached(model)
+    second, _, _ = cached(model)
+    del first
+    gc.collect()
+    assert same_objects(_C.walk_unchanged(second, model), walk)
+    STRUCTURAL[change](model)
+    assert _C.walk_unchanged(second, model) is None
+    third, _, _ = cached(model)
+    del model
+    gc.collect()
+    del third, second  # their dicts are gone: nothing to unwatch
+    fresh = net()
+    cache, walk, _ = cached(fresh)
+    STRUCTURAL[change](fresh)
+    assert _C.walk_unchanged(cache, fresh) is None
