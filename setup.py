@@ -40,6 +40,7 @@ CPU_SOURCES = [
     "csrc/lerp_op.cpp",
     "csrc/lerp_plan.cpp",
     "csrc/python_fast_path.cpp",
+    "csrc/python_schedule.cpp",
     "csrc/python_walk.cpp",
     "csrc/python_walk_check.cpp",
     "csrc/python_walk_cache.cpp",

@@ -27,6 +27,8 @@ bool small_params(int set);  // set < 0: read only; returns the previous setting
 
 namespace fused_ema {
 PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_path.cpp
+// python_schedule.cpp
+PyObject* python_schedule_begin(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 // python_walk.cpp
 PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs);
 PyObject* python_named_walk(PyObject* module, PyObject* args);
@@ -119,6 +121,11 @@ PyMethodDef kMethods[] = {
     {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
      "lerp_(ema: list, src: list, weight: float | int | Tensor) on plain tensors without the "
      "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
+    {"schedule_begin", reinterpret_cast<PyCFunction>(fused_ema::python_schedule_begin),
+     METH_FASTCALL,
+     "schedule_begin(schedule, step: int | Tensor | None): saves schedule.step in "
+     "schedule._saved, sets schedule._dirty, then sets (step) or advances (None) the counter and "
+     "computes the step's weight with ema_schedule_."},
     {"tensor_walk", reinterpret_cast<PyCFunction>(fused_ema::python_tensor_walk),
      METH_VARARGS | METH_KEYWORDS,
      "tensor_walk(model, with_buffers=True, names=False) -> list: per distinct module "

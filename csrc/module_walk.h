@@ -68,7 +68,7 @@ struct ModuleDicts {
   OwnedRef dict;        // the instance __dict__
   OwnedRef parameters;  // _parameters
   OwnedRef buffers;     // _buffers (walks with buffers only)
-  OwnedRef skip;        // _non_persistent_buffers_set (walks with buffers only)
+  OwnedRef skip;        // _non_persistent_buffers_set (walks with buffers, when there are any)
   OwnedRef children;    // _modules
 };
 
@@ -107,6 +107,11 @@ inline bool read_dicts(PyObject* module, bool with_buffers, const WalkNames& n, 
       return false;
     }
     d.buffers = OwnedRef(value);
+    // Which buffers are persistent matters only where there are buffers: most modules have
+    // none, and the set would be one more object read per module.
+    if (PyDict_CheckExact(value) && PyDict_GET_SIZE(value) == 0) {
+      return true;
+    }
     if ((value = dict_entry(dict, module, n.non_persistent)) == nullptr) {
       return false;
     }
@@ -231,11 +236,10 @@ bool walk_modules(PyObject* model, bool with_buffers, Visitor& visitor) {
         })) {
       return false;
     }
-    PyObject* buffers = d.buffers.get();
-    if (with_buffers && (!PyDict_CheckExact(buffers) || PyDict_GET_SIZE(buffers) > 0)) {
-      PyObject* skip = d.skip.get();
+    PyObject* skip = d.skip.get();  // null: no buffers when the module's dicts were read
+    if (skip != nullptr) {
       const bool skip_any = !PyAnySet_Check(skip) || PySet_GET_SIZE(skip) > 0;
-      if (!for_each_item(buffers, [&](PyObject* name, PyObject* value) {
+      if (!for_each_item(d.buffers.get(), [&](PyObject* name, PyObject* value) {
             const int skipped = skip_any ? PySequence_Contains(skip, name) : 0;
             return skipped < 0 ? false : skipped == 1 || visitor.item(name, value, false);
           })) {

@@ -22,33 +22,44 @@ _WRAPPER_COMPONENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrappe
 _CHECKPOINT_PREFIXES = ("module.", "_orig_mod.")
 
 
+_PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module inside DDP / DataParallel / torch.compile wrappers (any nesting)."""
     while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, _PARALLEL_WRAPPERS):
             model = model.module
             continue
         inner = _orig_mod(model)
-        if not isinstance(inner, nn.Module):
+        if inner is None:
             return model
         model = inner
 
 
-def _orig_mod(model: nn.Module):
-    """model._orig_mod (torch.compile's wrapper keeps the model there) as getattr finds it, but
-    for a plain module without raising and catching the AttributeError of nn.Module.__getattr__:
-    that cost a few microseconds per update."""
+def _orig_mod(model: nn.Module) -> nn.Module | None:
+    """model._orig_mod (torch.compile's wrapper keeps the model there) if getattr finds a module
+    there, else None; for a plain module without raising and catching the AttributeError of
+    nn.Module.__getattr__: that cost a few microseconds per update."""
     kind = type(model)
     if kind.__getattr__ is not nn.Module.__getattr__ or hasattr(kind, "_orig_mod"):
-        return getattr(model, "_orig_mod", None)
+        inner = getattr(model, "_orig_mod", None)
+        return inner if isinstance(inner, nn.Module) else None
     attributes = model.__dict__
     if "_orig_mod" in attributes:
-        return attributes["_orig_mod"]
-    for where in ("_parameters", "_buffers", "_modules"):  # nn.Module.__getattr__'s order
+        inner = attributes["_orig_mod"]
+        return inner if isinstance(inner, nn.Module) else None
+    # nn.Module.__getattr__ looks in _parameters, _buffers, then _modules: only the last can
+    # hold a module, and a parameter or buffer of that name comes first.
+    children = attributes.get("_modules")
+    if not children or "_orig_mod" not in children:
+        return None
+    for where in ("_parameters", "_buffers"):
         found = attributes.get(where)
         if found is not None and "_orig_mod" in found:
-            return found["_orig_mod"]
-    return None
+            return None
+    inner = children["_orig_mod"]
+    return inner if isinstance(inner, nn.Module) else None
 
 
 def clean_name(name: str) -> str:

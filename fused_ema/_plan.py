@@ -224,11 +224,12 @@ class UpdatePlan:
         toward."""
         values = walk if sources is None else sources
         weight, step = schedule.weight, schedule.step
-        self._marks = [p._version for p in self._probes]
         single = self._single
         if single is not None:
+            self._marks = [single.ema[0]._version]  # its only probe
             single.lerp(single.sources(values), weight, step)
             return
+        self._marks = [p._version for p in self._probes]
         copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
         if self.has_staging and weight.device.type == "cpu" and float(weight) == 0.0:
             # Cross-device copies are not free: skip them on the steps update_every leaves out.

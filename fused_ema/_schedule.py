@@ -226,19 +226,9 @@ class Schedule:
         """Sets (`step` given) or advances the counter and computes this step's weight. A device
         step tensor out of [0, MAX_STEP] cannot be refused without a sync: it makes the update
         a no-op (weight 0)."""
-        self._saved.copy_(self.step)
-        self._dirty = True  # from here on rollback() restores _saved (a no-op if unchanged)
-        if step is None:
-            self._compute(advance=True)
-            return
-        if isinstance(step, torch.Tensor):
-            if step.device == self.step.device or step.device.type != "cpu":
-                self.step.copy_(step.reshape(()))
-            else:
-                self.step.fill_(int(step))  # a CPU tensor for a device counter: no device sync
-        else:
-            self.step.fill_(step)
-        self._compute(advance=False)
+        # In C++ (csrc/python_schedule.cpp): _saved <- step; _dirty = True; then the counter
+        # moves. Nothing can interrupt it between the three.
+        _C.schedule_begin(self, step)
 
     def commit(self) -> None:
         self._dirty = False

@@ -26,10 +26,13 @@ class Updater:
 
     def ready(self, what: str) -> None:
         """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
-        self.check(
-            f"ema.{what}() inside `with ema.swapped(model)`: the EMA tensors "
-            "hold the model's weights until the block ends"
-        )
+        if self.runner.busy:
+            self.synchronize()
+        if self.swapped:
+            raise RuntimeError(
+                f"ema.{what}() inside `with ema.swapped(model)`: the EMA tensors "
+                "hold the model's weights until the block ends"
+            )
 
     def check(self, error: str) -> None:
         """ready() with its own message for the RuntimeError raised inside swapped()."""

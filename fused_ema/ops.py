@@ -15,6 +15,7 @@ from ._version import __version__
 
 #: (ema dtype, src dtype) pairs the kernels support; a float32 EMA may follow a 16-bit model.
 #: The list is the C++ one (csrc/dtype_pair_list.h), so the two cannot drift apart.
+_is_compiling = torch.compiler.is_compiling
 SUPPORTED_DTYPE_PAIRS = tuple((getattr(torch, e), getattr(torch, s)) for e, s in _C.DTYPE_PAIRS)
 
 Weight = Union[float, torch.Tensor]
@@ -35,6 +36,11 @@ def lerp_(
     """
     ema = _tensor_list(ema_tensors, "ema_tensors")
     src = _tensor_list(src_tensors, "src_tensors")
+    # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver, same
+    # checks); anything the dispatcher must see (compile, modes, subclasses) or that _lerp_eager
+    # declines (unequal lengths, a weight of another type) takes the checks and torch.ops below.
+    if not _is_compiling() and _C._lerp_eager(ema, src, weight):
+        return
     if len(ema) != len(src):
         raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
     # Numbers go to C++ as they are: it refuses a bool (and a non-finite weight) on every route.
@@ -44,10 +50,6 @@ def lerp_(
         op = torch.ops.fused_ema.lerp_.default
     else:
         raise TypeError(_weight_type_error(weight))
-    # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver);
-    # anything the dispatcher must see (compile, modes, subclasses) goes through torch.ops.
-    if not torch.compiler.is_compiling() and _C._lerp_eager(ema, src, weight):
-        return
     if any_dtensor(ema) or any_dtensor(src):
         ema, src = shard_lists(ema, src)
     op(ema, src, weight)
@@ -84,6 +86,11 @@ def lerp_stochastic_(
     """
     ema = _tensor_list(ema_tensors, "ema_tensors")
     src = _tensor_list(src_tensors, "src_tensors")
+    # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver, same
+    # checks); anything the dispatcher must see (compile, modes, subclasses) or that _lerp_eager
+    # declines (unequal lengths, a weight of another type) takes the checks and torch.ops below.
+    if not _is_compiling() and _C._lerp_eager(ema, src, weight):
+        return
     if len(ema) != len(src):
         raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
     if isinstance(weight, (bool, complex)) or not isinstance(weight, (float, int, torch.Tensor)):

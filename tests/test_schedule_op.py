@@ -261,3 +261,40 @@ def test_cuda_invalid_config_writes_no_update():
     assert int(step) == 4
     weight, decay = out.cpu().tolist()
     assert weight == 0.0 and math.isnan(decay)
+
+
+@pytest.mark.parametrize("kind", ["advance", "int", "tensor", "cpu tensor"])
+def test_schedule_begin_saves_marks_and_moves_the_counter(device, kind):
+    # _C.schedule_begin is Schedule.begin in one C++ call: _saved <- step, _dirty, then the counter
+    # set or advanced and the weight of that step computed, as the reference formula says.
+    from fused_ema._schedule import Schedule, check_options
+
+    rng = random.Random()
+    schedule = Schedule(check_options(decay=0.99, warmup=(2.0, 0.75)), torch.device(device))
+    config = tuple(schedule.config.tolist())
+    current = rng.randrange(0, 10**6)
+    schedule.step.fill_(current)
+    value = rng.randrange(0, 10**6)
+    given = {
+        "advance": None,
+        "int": value,
+        "tensor": torch.tensor(value, dtype=torch.int32, device=device),
+        "cpu tensor": torch.tensor(value),
+    }[kind]
+    expected = current + 1 if given is None else value
+    schedule.begin(given)
+    assert schedule._dirty is True
+    assert int(schedule._saved) == current
+    assert int(schedule.step) == expected
+    assert_out(schedule.out, reference(config, expected), f"{kind} from {current}")
+    schedule.rollback()
+    assert int(schedule.step) == current and schedule._dirty is False
+    assert_out(schedule.out, reference(config, current), f"rolled back to {current}")
+
+
+def test_schedule_begin_refuses_a_schedule_without_tensors():
+    class NotASchedule:
+        step = _saved = out = config = 3
+
+    with pytest.raises(TypeError, match="schedule.step is not a tensor"):
+        _C.schedule_begin(NotASchedule(), None)
