@@ -86,11 +86,6 @@ def lerp_stochastic_(
     """
     ema = _tensor_list(ema_tensors, "ema_tensors")
     src = _tensor_list(src_tensors, "src_tensors")
-    # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver, same
-    # checks); anything the dispatcher must see (compile, modes, subclasses) or that _lerp_eager
-    # declines (unequal lengths, a weight of another type) takes the checks and torch.ops below.
-    if not _is_compiling() and _C._lerp_eager(ema, src, weight):
-        return
     if len(ema) != len(src):
         raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
     if isinstance(weight, (bool, complex)) or not isinstance(weight, (float, int, torch.Tensor)):
