@@ -20,18 +20,18 @@ from typing import Union
 import torch
 from torch import nn
 
-from . import _compiled
-from ._attach import attach
-from ._binding import Binding
-from ._ema_state import EmaState, rounding_seed
-from ._model_walk import unwrap_model
-from ._options import resolve_options
-from ._placement import cuda_device, move, parse_to
-from ._plan import UpdatePlan
-from ._schedule import Schedule
-from ._stats import ema_stats
-from ._swap import check_writable, copy_all
-from ._updater import Updater
+from ._model.swap import check_writable, copy_all
+from ._model.walk import unwrap_model
+from ._state.ema_state import EmaState, rounding_seed
+from ._state.options import resolve_options
+from ._state.placement import cuda_device, move, parse_to
+from ._state.stats import ema_stats
+from ._update import compiled
+from ._update.attach import attach
+from ._update.binding import Binding
+from ._update.plan import UpdatePlan
+from ._update.schedule import Schedule
+from ._update.updater import Updater
 from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
@@ -138,7 +138,7 @@ class ModelEma(nn.Module):
     def _init_transient(self) -> None:
         """The state no copy or pickle carries: rebuilt from the rest when needed."""
         self._updater = Updater(self._binding, self._schedule)
-        self._key = _compiled.register(self)
+        self._key = compiled.register(self)
         self._hooks = weakref.WeakSet()  # attach(): the optimizer hooks still registered
 
     # ------------------------------------------------------------------ schedule and state

@@ -10,7 +10,7 @@ import sr_reference as ref
 import torch
 from test_cuda_compile import NVCC, ROOT
 
-from fused_ema._loader import _C
+from fused_ema._ext.loader import _C
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, expected).
 PHILOX_KAT = [

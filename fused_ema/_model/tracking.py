@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._model_walk import PARAM, Tracked
-from ._name_filters import NameFilter
+from .name_filters import NameFilter
+from .walk import PARAM, Tracked
 
 
 def unbound():  # stands in for the weakref of an entry bound to no tensor yet (unpickled)
@@ -87,7 +87,7 @@ class EntryPolicy:
         return not self.copy_filter.matches_any(names)
 
     def new_entry(self, tracked: Tracked, *, meta_ok: bool = True) -> Entry:
-        from ._dtensor import check_averageable, is_dtensor
+        from .._dist.dtensor import check_averageable, is_dtensor
 
         t = tracked.tensor.detach()
         if t.is_complex() and tracked.kind == PARAM:
@@ -142,7 +142,7 @@ class Changes:
 
 
 def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
-    from ._dtensor import same_layout
+    from .._dist.dtensor import same_layout
 
     return same_layout(entry.ema, t)
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._dtensor import chunk_dim as shard_dim
-from ._dtensor import is_dtensor, local
+from .dtensor import chunk_dim as shard_dim
+from .dtensor import is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
 BUCKET_BYTES = 64 << 20
@@ -142,7 +142,7 @@ class ShardSpec:
         entries and tensors: the ones given are left as they were)."""
         from torch.distributed.tensor import DTensor
 
-        from ._tracking import Entry
+        from .._model.tracking import Entry
 
         groups: dict = {}
         for k, e in enumerate(entries):

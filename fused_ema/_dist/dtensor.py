@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._grad import without_grad
+from .._ext.grad import without_grad
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -191,7 +191,7 @@ def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:
     gathered: dict = {}
     replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
     if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
-        from ._shard import gather_into
+        from .shard import gather_into
 
         where = "cpu" if cpu_offload else None
         full = [
