@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._dist.dtensor import check_averageable, is_dtensor, same_layout
 from .name_filters import NameFilter
 from .walk import PARAM, Tracked
 
@@ -87,8 +88,6 @@ class EntryPolicy:
         return not self.copy_filter.matches_any(names)
 
     def new_entry(self, tracked: Tracked, *, meta_ok: bool = True) -> Entry:
-        from .._dist.dtensor import check_averageable, is_dtensor
-
         t = tracked.tensor.detach()
         if t.is_complex() and tracked.kind == PARAM:
             raise ValueError(
@@ -142,8 +141,6 @@ class Changes:
 
 
 def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
-    from .._dist.dtensor import same_layout
-
     return same_layout(entry.ema, t)
 
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import torch
 
-from .._dist.dtensor import gather_full
+from .._dist.gather import gather_full
 from .._ext.grad import without_grad
 from .._model.swap import copy_all
 from .._update.schedule import options_from_state, rounding_from_state
