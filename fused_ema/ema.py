@@ -1,14 +1,15 @@
 """ModelEma: a device-safe, fused exponential moving average of a model's weights.
 
-The public façade. The parts that own state live beside it: the constructor's options
-(_options.py), the schedule (_schedule.py), the entries and how a model is matched to them
-(_tracking.py, with _model_walk.py and _name_filters.py), the update transaction and what is in
-flight (_updater.py) over the plan that every mode runs (_plan.py, with _async.py for
-non_blocking and _compiled.py for torch.compile), the evaluation views (_module_view.py,
-_swap.py), checkpoints and the rounding setting they carry (_ema_state.py, over checkpoint.py's
-formats and _nested_state.py inside a parent module's state dict), ema.to() (_placement.py) and
-attach(optimizer) (_attach.py). Any public call that raises leaves the EMA (tensors, step,
-schedule) and the model as they were.
+The public façade, over the layers that own state: the constructor's options
+(_state/options.py), the schedule (_update/schedule.py), the entries and how a model is matched
+to them (_model/tracking.py, with _model/walk.py and _model/name_filters.py), the update
+transaction and what is in flight (_update/updater.py) over the plan that every mode runs
+(_update/plan.py, with nonblocking.py for non_blocking and compiled.py for torch.compile), the
+evaluation views (_model/module_view.py, _model/swap.py), checkpoints and the rounding setting
+they carry (_state/ema_state.py, over checkpoint.py's formats and _state/nested_state.py inside a
+parent module's state dict), ema.to() (_state/placement.py) and attach(optimizer)
+(_update/attach.py). Any public call that raises leaves the EMA (tensors, step, schedule) and the
+model as they were.
 """
 
 from __future__ import annotations
@@ -363,7 +364,8 @@ class ModelEma(nn.Module):
 
         A parent module's state_dict() (which passes destination= and prefix=) gets flat keys
         instead: ``{prefix}weights.{name}`` and ``{prefix}step``, with the schedule in the state
-        dict's _metadata; the parent's load_state_dict() reads them back (see _nested_state)."""
+        dict's _metadata; the parent's load_state_dict() reads them back (see
+        _state/nested_state.py)."""
         if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         self._ready("state_dict")

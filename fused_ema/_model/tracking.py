@@ -1,6 +1,6 @@
 """The EMA's entries and how a changed model is matched to them: by tensor identity first (a
 module inserted or renamed keeps its tensors' averages), then by name. Which tensors a model has
-is _model_walk.py's job; which names are copied or left out, _name_filters.py's."""
+is walk.py's job; which names are copied or left out, name_filters.py's."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class EntryPolicy:
     buffers: str
     copy: tuple = ()  # name patterns copied from the model at every update, not averaged
     ignore: tuple = ()  # name patterns left out of the EMA
-    shard: object = None  # a _shard.ShardSpec: averaged tensors keep this rank's chunk only
+    shard: object = None  # a _dist.shard.ShardSpec: averaged tensors keep this rank's chunk only
 
     def filters(self) -> dict:
         """The name filters as state_dict() saves them."""
