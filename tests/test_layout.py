@@ -4,6 +4,7 @@ job in a docstring, and the compiled module fused_ema._C carries no test-only en
 are torch.ops.fused_ema_testing, reached through fused_ema._ext.testing)."""
 
 import ast
+import re
 from pathlib import Path
 
 import torch
@@ -133,6 +134,16 @@ def test_every_module_says_its_job():
         if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
     ]
     assert not missing
+
+
+def test_every_subpackage_ships():
+    """pyproject.toml lists packages by name: a layer left out would be missing from a wheel."""
+    listed = re.search(
+        r"^packages = \[(.*?)\]", (PACKAGE.parent / "pyproject.toml").read_text(), re.M | re.S
+    )
+    shipped = set(re.findall(r'"([\w.]+)"', listed.group(1)))
+    packages = {name for name, (_, is_package) in module_files().items() if is_package}
+    assert packages == shipped
 
 
 def test_the_compiled_module_has_no_test_only_entry_points():
