@@ -45,10 +45,11 @@ CPU_SOURCES = [
     "csrc/python_walk_check.cpp",
     "csrc/python_walk_cache.cpp",
     "csrc/schedule.cpp",
-    "csrc/stochastic_round_testing.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/lerp_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",
+    "csrc/testing/stochastic_round_testing.cpp",
+    "csrc/testing/testing_ops.cpp",
 ]
 CUDA_SOURCES = ["csrc/cuda/lerp_cuda.cu", "csrc/cuda/schedule_cuda.cu"]
 CXX_FLAGS = ["-O3"]  # torch's BuildExtension adds the -std its headers need

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import fused_ema
-from fused_ema import _C
+from fused_ema._ext.testing import cuda_small_params
 
 PACK_EDGES = [1, 7, 8, 9, 33, 1000, 4097, 65535, 65536, 65537, 2 * 65536 + 9]
 
@@ -34,7 +34,7 @@ def same_bits(a, b):
 def check_pair(pair, sizes, seed, failures):
     ema_cpu, src_cpu = ragged(pair[0], sizes, seed), ragged(pair[1], sizes, seed + 1)
     for small in (False, True):
-        previous = _C._cuda_small_params(small)
+        previous = cuda_small_params(small)
         try:
             for weight in (0.3, 0.75):
                 e_cpu = [t.clone() for t in ema_cpu]
@@ -59,7 +59,7 @@ def check_pair(pair, sizes, seed, failures):
                     if not same_bits(a, b.cpu()):
                         failures.append(f"lerp_stochastic_ {pair} small={small} tensor {i}")
         finally:
-            _C._cuda_small_params(previous)
+            cuda_small_params(previous)
 
 
 def check_schedule(failures):

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import fused_ema
 from fused_ema import _C
-from fused_ema._model_walk import tensor_walk
+from fused_ema._model.walk import tensor_walk
 
 from . import report
 from .timing import summary

@@ -35,7 +35,7 @@ PADDING_WORLDS = (2, 4, 8, 64)
 
 def averaged_shapes(model) -> list[tuple]:
     """Shapes of the tensors a float32 ModelEma averages and shards (dim >= 1, floating)."""
-    from fused_ema._model_walk import named_tensors
+    from fused_ema._model.walk import named_tensors
 
     return [
         tuple(t.tensor.shape)
@@ -46,7 +46,7 @@ def averaged_shapes(model) -> list[tuple]:
 
 def padding_table() -> list[dict]:
     """Per-rank bytes of the flat buffer against total / world, from the layout alone."""
-    from fused_ema._shard import layout
+    from fused_ema._dist.shard import layout
 
     rows = []
     for name, cls in MODELS.items():

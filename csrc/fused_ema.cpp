@@ -21,7 +21,6 @@
 namespace fused_ema::cuda {
 std::vector<int> compiled_archs();  // __CUDA_ARCH_LIST__ (800, 900, ...), cuda/lerp_cuda.cu
 int cuda_version_built();
-bool small_params(int set);  // set < 0: read only; returns the previous setting
 }  // namespace fused_ema::cuda
 #endif
 
@@ -38,8 +37,6 @@ PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs)
 // python_walk_cache.cpp
 PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
-PyObject* python_philox(PyObject* module, PyObject* args);  // stochastic_round_testing.cpp
-PyObject* python_stochastic_round(PyObject* module, PyObject* args);
 // grad_mode.cpp
 PyObject* python_without_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace fused_ema
@@ -93,24 +90,6 @@ PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-// Tests only: _cuda_small_params(flag) keeps CUDA launches at 4 KB of parameters (or lets them
-// take 32 KB where the device allows) and returns the previous setting; no argument reads it.
-PyObject* cuda_small_params(PyObject*, PyObject* args) {
-  PyObject* flag = nullptr;
-  if (!PyArg_ParseTuple(args, "|O", &flag)) {
-    return nullptr;
-  }
-#if FUSED_EMA_WITH_CUDA
-  const int small = flag == nullptr ? -1 : PyObject_IsTrue(flag);
-  if (small == -1 && flag != nullptr) {
-    return nullptr;
-  }
-  return PyBool_FromLong(fused_ema::cuda::small_params(small));
-#else
-  Py_RETURN_FALSE;
-#endif
-}
-
 PyMethodDef kMethods[] = {
     {"devices_with_kernels", devices_with_kernels, METH_NOARGS,
      "Device types this build has lerp kernels for."},
@@ -152,13 +131,6 @@ PyMethodDef kMethods[] = {
     {"without_grad", reinterpret_cast<PyCFunction>(fused_ema::python_without_grad), METH_FASTCALL,
      "without_grad(fn, *args) -> fn(*args) with autograd off; the caller's grad mode is restored "
      "on every way out (exceptions and interrupts included) with no Python code in between."},
-    {"_cuda_small_params", cuda_small_params, METH_VARARGS,
-     "Tests only: force 4 KB CUDA launch parameters (flag), returning the previous setting."},
-    {"_philox", fused_ema::python_philox, METH_VARARGS,
-     "Test only: Philox4x32-10((c0, c1, c2, c3), (k0, k1)) -> 4 words."},
-    {"_stochastic_round", fused_ema::python_stochastic_round, METH_VARARGS,
-     "Test only: (float32 values, 'bfloat16' | 'float16', seed, step, key, offset) -> the "
-     "stochastically rounded tensor."},
     {nullptr, nullptr, 0, nullptr},
 };
 

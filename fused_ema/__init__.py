@@ -5,7 +5,7 @@ fused_ema.lerp_stochastic_(ema, src, weight, seed=0, step=t)   # bf16/fp16 EMAs:
 fused_ema.build_info()                              # what was compiled, and for what
 """
 
-from ._loader import _C  # noqa: F401  (must come before the ops that use it)
+from ._ext.loader import _C  # noqa: F401  (must come before the ops that use it)
 from ._version import __version__
 from .ema import LoadResult, ModelEma
 from .errors import CheckpointError, PrecisionWarning, StructureMismatchError

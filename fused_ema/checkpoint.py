@@ -28,9 +28,10 @@ from typing import NamedTuple
 
 import torch
 
-from ._model_walk import strip_checkpoint_prefixes
-from ._name_filters import check_name_patterns
-from ._schedule import whole_number
+from ._dist.dtensor import is_dtensor, local
+from ._model.name_filters import check_name_patterns
+from ._model.walk import strip_checkpoint_prefixes
+from ._update.schedule import whole_number
 from .errors import CheckpointError
 
 FORMAT = "fused_ema.ModelEma"
@@ -267,10 +268,8 @@ def _positional(entries, tensors: list, problems: list[str]) -> dict:
 
 
 def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
-    from ._dtensor import is_dtensor, local
-
     if is_dtensor(entry.ema) or is_dtensor(tensor):
-        return tensor  # resharded while it is copied in (see _dtensor.copy_into)
+        return tensor  # resharded while it is copied in (see _dist/dtensor.py copy_into)
     return tensor.detach().to(device=local(entry.ema).device, dtype=entry.ema.dtype)
 
 

@@ -1,14 +1,15 @@
 """ModelEma: a device-safe, fused exponential moving average of a model's weights.
 
-The public façade. The parts that own state live beside it: the constructor's options
-(_options.py), the schedule (_schedule.py), the entries and how a model is matched to them
-(_tracking.py, with _model_walk.py and _name_filters.py), the update transaction and what is in
-flight (_updater.py) over the plan that every mode runs (_plan.py, with _async.py for
-non_blocking and _compiled.py for torch.compile), the evaluation views (_module_view.py,
-_swap.py), checkpoints and the rounding setting they carry (_ema_state.py, over checkpoint.py's
-formats and _nested_state.py inside a parent module's state dict), ema.to() (_placement.py) and
-attach(optimizer) (_attach.py). Any public call that raises leaves the EMA (tensors, step,
-schedule) and the model as they were.
+The public façade, over the layers that own state: the constructor's options
+(_state/options.py), the schedule (_update/schedule.py), the entries and how a model is matched
+to them (_model/tracking.py, with _model/walk.py and _model/name_filters.py), the update
+transaction and what is in flight (_update/updater.py) over the plan that every mode runs
+(_update/plan.py, with nonblocking.py for non_blocking and compiled.py for torch.compile), the
+evaluation views (_model/module_view.py, _model/swap.py), checkpoints and the rounding setting
+they carry (_state/ema_state.py, over checkpoint.py's formats and _state/nested_state.py inside a
+parent module's state dict), ema.to() (_state/placement.py) and attach(optimizer)
+(_update/attach.py). Any public call that raises leaves the EMA (tensors, step, schedule) and the
+model as they were.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from typing import Union
 import torch
 from torch import nn
 
-from . import _compiled
-from ._attach import attach
-from ._binding import Binding
-from ._ema_state import EmaState, rounding_seed
-from ._model_walk import unwrap_model
-from ._options import resolve_options
-from ._placement import cuda_device, move, parse_to
-from ._plan import UpdatePlan
-from ._schedule import Schedule
-from ._stats import ema_stats
-from ._swap import check_writable, copy_all
-from ._updater import Updater
+from ._model.swap import check_writable, copy_all
+from ._model.walk import unwrap_model
+from ._state.ema_state import EmaState, rounding_seed
+from ._state.options import resolve_options
+from ._state.placement import cuda_device, move, parse_to
+from ._state.stats import ema_stats
+from ._update import compiled
+from ._update.attach import attach
+from ._update.binding import Binding
+from ._update.plan import UpdatePlan
+from ._update.schedule import Schedule
+from ._update.updater import Updater
 from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
@@ -138,7 +139,7 @@ class ModelEma(nn.Module):
     def _init_transient(self) -> None:
         """The state no copy or pickle carries: rebuilt from the rest when needed."""
         self._updater = Updater(self._binding, self._schedule)
-        self._key = _compiled.register(self)
+        self._key = compiled.register(self)
         self._hooks = weakref.WeakSet()  # attach(): the optimizer hooks still registered
 
     # ------------------------------------------------------------------ schedule and state
@@ -363,7 +364,8 @@ class ModelEma(nn.Module):
 
         A parent module's state_dict() (which passes destination= and prefix=) gets flat keys
         instead: ``{prefix}weights.{name}`` and ``{prefix}step``, with the schedule in the state
-        dict's _metadata; the parent's load_state_dict() reads them back (see _nested_state)."""
+        dict's _metadata; the parent's load_state_dict() reads them back (see
+        _state/nested_state.py)."""
         if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         self._ready("state_dict")

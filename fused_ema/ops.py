@@ -9,8 +9,8 @@ from typing import Union
 
 import torch
 
-from ._dtensor import any_dtensor, shard_lists, shard_offset
-from ._loader import _C
+from ._dist.dtensor import any_dtensor, shard_lists, shard_offset
+from ._ext.loader import _C
 from ._version import __version__
 
 #: (ema dtype, src dtype) pairs the kernels support; a float32 EMA may follow a 16-bit model.

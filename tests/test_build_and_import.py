@@ -67,7 +67,7 @@ EXPECTED_PAIRS = (
 
 
 def test_dtype_pairs_come_from_the_compiled_list():
-    from fused_ema._loader import _C
+    from fused_ema._ext.loader import _C
 
     assert _C.DTYPE_PAIRS == EXPECTED_PAIRS
     expected = tuple((getattr(torch, e), getattr(torch, s)) for e, s in EXPECTED_PAIRS)
@@ -84,10 +84,10 @@ def test_import_without_compiled_kernels_says_how_to_build(tmp_path):
     # A copy of the package's Python files under another name, so that the installed (built)
     # fused_ema cannot be picked up instead; its imports are all relative.
     package = tmp_path / "fused_ema_unbuilt"
-    package.mkdir()
-    for source in (ROOT / "fused_ema").glob("*.py"):
-        shutil.copy(source, package / source.name)
-    assert not list(package.glob("_C*"))
+    shutil.copytree(
+        ROOT / "fused_ema", package, ignore=shutil.ignore_patterns("_C*", "__pycache__")
+    )
+    assert not list(package.rglob("_C*"))
     result = subprocess.run(
         [sys.executable, "-c", "import fused_ema_unbuilt"],
         cwd=tmp_path,

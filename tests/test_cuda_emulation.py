@@ -22,7 +22,7 @@ import torch
 
 import fused_ema
 from conftest import DTYPE_PAIRS, pair_id, random_tensor
-from fused_ema._plan import stream_key
+from fused_ema._update.plan import stream_key
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 65536  # kChunkElems: elements per block

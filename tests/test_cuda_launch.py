@@ -10,7 +10,7 @@ import torch
 
 import fused_ema
 from conftest import DTYPE_PAIRS, assert_lerp_close, pair_id, random_tensor
-from fused_ema import _C
+from fused_ema._ext.testing import cuda_small_params
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not fused_ema.build_info()["cuda_kernel"],
@@ -24,9 +24,9 @@ SIZES = [3 * 65536 + 11, 65537, 1, 7, 8, 33, 1000, 4097, 17, 2]
 
 @pytest.fixture(params=["large", "small"])
 def packing(request):
-    previous = _C._cuda_small_params(request.param == "small")
+    previous = cuda_small_params(request.param == "small")
     yield request.param
-    _C._cuda_small_params(previous)
+    cuda_small_params(previous)
 
 
 def ragged_lists(count, pair, seed=0):
@@ -76,13 +76,13 @@ def test_lists_across_launch_capacities(packing, pair, count):
 def test_both_layouts_give_identical_bits(pair):
     results = []
     for small in (False, True):
-        previous = _C._cuda_small_params(small)
+        previous = cuda_small_params(small)
         try:
             ema, src = ragged_lists(1500, pair, seed=3)
             fused_ema.lerp_(ema, src, 0.7)
             results.append(torch.cat(ema).cpu())
         finally:
-            _C._cuda_small_params(previous)
+            cuda_small_params(previous)
     assert torch.equal(results[0].view(torch.uint8), results[1].view(torch.uint8))
 
 

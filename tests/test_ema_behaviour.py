@@ -496,7 +496,7 @@ def test_bad_arguments(kwargs, match):
 
 @pytest.mark.parametrize("step", [None, 7])
 def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
-    import fused_ema._plan as plan_module
+    import fused_ema._update.plan as plan_module
 
     model = small_mlp()
     ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)

@@ -195,7 +195,7 @@ def test_swap_in_failing_part_way_restores_both_sides():
 
 
 def test_swap_in_interrupted_in_the_middle_restores_both_sides(monkeypatch):
-    import fused_ema._swap as swap_module
+    import fused_ema._model.swap as swap_module
 
     model, ema = moved_ema()
     before, values = state_of(ema), model_values(model)
@@ -246,7 +246,7 @@ def test_module_call_inside_swapped_raises_instead_of_running_training_weights()
 
 
 def test_swapped_memory_is_bounded_by_the_scratch_chunk(monkeypatch):
-    import fused_ema._swap as swap_module
+    import fused_ema._model.swap as swap_module
 
     monkeypatch.setattr(swap_module, "SWAP_CHUNK_BYTES", 4096)
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))

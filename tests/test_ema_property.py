@@ -9,8 +9,8 @@ ema.current_decay. A call that raises must leave the EMA bit-identical to before
 The reference is written from the documented contract only (README, csrc/schedule_formula.h): its
 own schedule, its own lerp in float64 and its own name bookkeeping (identity first, then same name
 and shape). fused_ema is only driven through its public API; the one internal it touches is the
-module attribute fused_ema._plan.lerp_, wrapped to inject a KeyboardInterrupt before or after the
-real kernel call.
+module attribute fused_ema._update.plan.lerp_, wrapped to inject a KeyboardInterrupt before or
+after the real kernel call.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 from torch import nn
 
 import fused_ema
-import fused_ema._plan as plan_module
+import fused_ema._update.plan as plan_module
 
 WIDTH = 4
 MAX_LAYERS = 6

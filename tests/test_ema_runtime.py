@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fused_ema
-import fused_ema._plan as plan_module
+import fused_ema._update.plan as plan_module
 from ema_helpers import small_mlp, train_step
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

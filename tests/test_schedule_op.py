@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fused_ema  # noqa: F401  (registers the ops)
-from fused_ema._loader import _C
+from fused_ema._ext.loader import _C
 
 op = torch.ops.fused_ema.ema_schedule_
 MAX_STEP = 2**53

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fused_ema import _C
-from fused_ema._model_walk import tensor_walk
+from fused_ema._model.walk import tensor_walk
 
 
 def reference_walk(model: nn.Module, with_buffers: bool) -> list:
@@ -108,7 +108,7 @@ def reference_named_walk(model: nn.Module, with_buffers: bool) -> list:
 @settings(max_examples=60, deadline=None)
 @given(model=module_trees(), with_buffers=st.booleans())
 def test_named_walk_is_the_walk_with_named_modules_names(model, with_buffers):
-    from fused_ema._model_walk import named_tensors
+    from fused_ema._model.walk import named_tensors
 
     named = _C.named_walk(model, with_buffers)
     expected = reference_named_walk(model, with_buffers)

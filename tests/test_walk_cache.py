@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fused_ema
-from fused_ema import _C, _plan
+from fused_ema import _C
+from fused_ema._update import plan as _plan
 
 # The cache watches dicts with CPython's dict watchers (3.12+); older Pythons walk every update,
 # and the structure-change tests of the update itself (tests/test_ema_structure.py and the
@@ -378,7 +379,7 @@ def wrappers():
 
 @pytest.mark.parametrize("index", range(len(wrappers())))
 def test_unwrap_model_finds_what_getattr_finds(index):
-    from fused_ema._model_walk import unwrap_model
+    from fused_ema._model.walk import unwrap_model
 
     model = wrappers()[index]
     got = unwrap_model(model)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from ._dtensor import local, sharding
-from ._grad import without_grad
-from ._model_walk import named_tensors
-from .ops import lerp_
+from .._dist.dtensor import local, sharding
+from .._ext.grad import without_grad
+from .._model.walk import named_tensors
+from ..ops import lerp_
 
 
 def ema_stats(entries, step: int, decay: float, configured_decay: float, model=None) -> dict:

@@ -10,8 +10,8 @@ import operator
 
 import torch
 
-from ._grad import without_grad
-from ._loader import _C
+from .._ext.grad import without_grad
+from .._ext.loader import _C
 
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
 MAX_STEP = int(_C.MAX_STEP)

@@ -1,6 +1,6 @@
 """The EMA's entries and how a changed model is matched to them: by tensor identity first (a
 module inserted or renamed keeps its tensors' averages), then by name. Which tensors a model has
-is _model_walk.py's job; which names are copied or left out, _name_filters.py's."""
+is walk.py's job; which names are copied or left out, name_filters.py's."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._model_walk import PARAM, Tracked
-from ._name_filters import NameFilter
+from .._dist.dtensor import check_averageable, is_dtensor, same_layout
+from .name_filters import NameFilter
+from .walk import PARAM, Tracked
 
 
 def unbound():  # stands in for the weakref of an entry bound to no tensor yet (unpickled)
@@ -50,7 +51,7 @@ class EntryPolicy:
     buffers: str
     copy: tuple = ()  # name patterns copied from the model at every update, not averaged
     ignore: tuple = ()  # name patterns left out of the EMA
-    shard: object = None  # a _shard.ShardSpec: averaged tensors keep this rank's chunk only
+    shard: object = None  # a _dist.shard.ShardSpec: averaged tensors keep this rank's chunk only
 
     def filters(self) -> dict:
         """The name filters as state_dict() saves them."""
@@ -87,8 +88,6 @@ class EntryPolicy:
         return not self.copy_filter.matches_any(names)
 
     def new_entry(self, tracked: Tracked, *, meta_ok: bool = True) -> Entry:
-        from ._dtensor import check_averageable, is_dtensor
-
         t = tracked.tensor.detach()
         if t.is_complex() and tracked.kind == PARAM:
             raise ValueError(
@@ -142,8 +141,6 @@ class Changes:
 
 
 def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
-    from ._dtensor import same_layout
-
     return same_layout(entry.ema, t)
 
 

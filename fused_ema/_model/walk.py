@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._loader import _C
+from .._ext.loader import _C
 
 PARAM = "param"
 BUFFER = "buffer"

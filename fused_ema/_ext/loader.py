@@ -7,7 +7,7 @@ pure-PyTorch stand-in.
 import torch  # noqa: F401  (loads libtorch before the extension that links against it)
 
 try:
-    from . import _C
+    from .. import _C
 except ImportError as err:
     raise ImportError(
         f"fused_ema's compiled kernels (fused_ema._C) could not be loaded: {err}\n"

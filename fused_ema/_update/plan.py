@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._dtensor import is_dtensor, local, replica_cut, shard_offset
-from ._loader import _C
-from ._tracking import EntryTable
-from .ops import SUPPORTED_DTYPE_PAIRS, lerp_, lerp_stochastic_
+from .._dist.dtensor import is_dtensor, local, replica_cut, shard_offset
+from .._ext.loader import _C
+from .._model.tracking import EntryTable
+from ..ops import SUPPORTED_DTYPE_PAIRS, lerp_, lerp_stochastic_
 
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64

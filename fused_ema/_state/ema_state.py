@@ -11,13 +11,13 @@ from collections import OrderedDict
 
 import torch
 
-from . import _nested_state
-from ._dtensor import gather_full
-from ._grad import without_grad
-from ._schedule import options_from_state, rounding_from_state
-from ._swap import copy_all
-from .checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
-from .errors import CheckpointError, PrecisionWarning
+from .._dist.gather import gather_full
+from .._ext.grad import without_grad
+from .._model.swap import copy_all
+from .._update.schedule import options_from_state, rounding_from_state
+from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
+from ..errors import CheckpointError, PrecisionWarning
+from . import nested_state
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -58,7 +58,7 @@ class EmaState:
             destination._metadata = OrderedDict()
         if keep_vars:
             own["weights"] = {n: e.ema for e in entries for n in e.names}
-        _nested_state.write(own, destination, prefix, keep_vars, version)
+        nested_state.write(own, destination, prefix, keep_vars, version)
         return destination
 
     def full_state_dict(self, rank: int | None, cpu_offload: bool) -> dict:
@@ -113,10 +113,10 @@ class EmaState:
     def load_nested(self, state_dict, prefix, metadata, missing_keys, unexpected_keys, errors):
         """A parent module's load_state_dict(): the keys under `prefix`, all or nothing;
         problems go to the parent's lists (it raises for them, or returns them if not strict)."""
-        own, missing, unexpected = _nested_state.read(state_dict, prefix, metadata)
+        own, missing, unexpected = nested_state.read(state_dict, prefix, metadata)
         missing_keys.extend(missing)
         unexpected_keys.extend(unexpected)
-        prepared = _nested_state.report(
+        prepared = nested_state.report(
             lambda own: self.prepare(own, False, source=prefix[:-1] or "the state dict"),
             self.binding.table,
             own,

@@ -9,11 +9,11 @@ import contextlib
 
 import torch
 
-from ._async import AsyncRunner
-from ._dtensor import reshard_fsdp
-from ._grad import without_grad
-from ._model_walk import tensor_walk
-from ._swap import Swap, check_writable
+from .._dist.dtensor import reshard_fsdp
+from .._ext.grad import without_grad
+from .._model.swap import Swap, check_writable
+from .._model.walk import tensor_walk
+from .nonblocking import AsyncRunner
 
 
 class Updater:

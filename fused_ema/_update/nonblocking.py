@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ._grad import without_grad
+from .._ext.grad import without_grad
 
 
 class AsyncRunner:

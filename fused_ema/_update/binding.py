@@ -10,14 +10,14 @@ import weakref
 import torch
 from torch import nn
 
-from ._dtensor import is_dtensor, local, refuse_unsharded
-from ._grad import without_grad
-from ._loader import _C
-from ._model_walk import named_tensors
-from ._module_view import EmaForwardCheck, SwappedModelView, build_module
-from ._plan import UpdatePlan
-from ._tracking import EntryPolicy, EntryTable, unbound
-from .errors import StructureMismatchError
+from .._dist.dtensor import is_dtensor, local, refuse_unsharded
+from .._ext.grad import without_grad
+from .._ext.loader import _C
+from .._model.module_view import EmaForwardCheck, SwappedModelView, build_module
+from .._model.tracking import EntryPolicy, EntryTable, unbound
+from .._model.walk import named_tensors
+from ..errors import StructureMismatchError
+from .plan import UpdatePlan
 
 _RESYNC_HINT = (
     "Call ema.resync(model) to follow the model (tensors keep their average under their new "

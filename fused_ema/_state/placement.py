@@ -9,8 +9,8 @@ import dataclasses
 
 import torch
 
-from ._dtensor import is_dtensor
-from ._module_view import SwappedModelView
+from .._dist.dtensor import is_dtensor
+from .._model.module_view import SwappedModelView
 
 
 def parse_to(args, kwargs):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ._dtensor import copy_into, is_dtensor, local, replica_cut
-from ._grad import without_grad
+from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut
+from .._dist.shard import SavedSlices, gather_into
+from .._ext.grad import without_grad
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -79,8 +80,6 @@ class Swap:
                 copy_into(target, ema)
 
     def _gather_in(self) -> None:
-        from ._shard import SavedSlices, gather_into
-
         mesh = self._gathered[0][0].device_mesh
         targets = [t for _, t in self._gathered]
         slices = SavedSlices(targets, mesh.get_group(), mesh.size(), mesh.get_local_rank())
@@ -189,8 +188,6 @@ def copy_all(pairs) -> None:
     check_resharding(pairs)
     gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
     if gathered:
-        from ._shard import gather_into
-
         without_grad(gather_into, gathered)
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
     without_grad(_copy_each, pairs)

@@ -6,14 +6,15 @@ out alike on every rank, so that one all-gather of a bucket of it gathers many t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._dtensor import chunk_dim as shard_dim
-from ._dtensor import is_dtensor, local
+from .dtensor import chunk_dim as shard_dim
+from .dtensor import is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
 BUCKET_BYTES = 64 << 20
@@ -142,8 +143,6 @@ class ShardSpec:
         entries and tensors: the ones given are left as they were)."""
         from torch.distributed.tensor import DTensor
 
-        from ._tracking import Entry
-
         groups: dict = {}
         for k, e in enumerate(entries):
             if is_dtensor(e.ema):  # refuse_sharded: every DTensor here is a chunk of ours
@@ -169,7 +168,7 @@ class ShardSpec:
                 )
                 if isinstance(e.ema, nn.Parameter):
                     ema = nn.Parameter(ema, requires_grad=False)
-                out[k] = Entry(list(e.names), e.kind, ema, e.average, e.bound)
+                out[k] = dataclasses.replace(e, names=list(e.names), ema=ema)
         return out
 
     # ------------------------------------------------------------------ checks

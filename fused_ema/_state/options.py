@@ -8,10 +8,10 @@ from typing import NamedTuple
 
 import torch
 
-from ._name_filters import name_filters
-from ._schedule import check_options, check_rounding
-from ._shard import resolve
-from ._tracking import EntryPolicy
+from .._dist.shard import resolve
+from .._model.name_filters import name_filters
+from .._model.tracking import EntryPolicy
+from .._update.schedule import check_options, check_rounding
 
 BUFFER_MODES = ("average", "copy", "ignore")
 MISMATCH_MODES = ("error", "resync")

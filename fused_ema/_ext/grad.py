@@ -8,6 +8,6 @@ between the switch and the call or between the return and the restore, and whate
 promise that: its __enter__ and __exit__ are Python functions, and an interrupt landing inside
 one leaves autograd off. tests/test_ema_faults.py interrupts public calls at every point."""
 
-from ._loader import _C
+from .loader import _C
 
 without_grad = _C.without_grad

@@ -11,8 +11,8 @@ format, schedule, rounding and buffer mode. Without that metadata the EMA keeps 
 
 from __future__ import annotations
 
-from .checkpoint import FORMAT, FORMAT_VERSION, tensor_problem
-from .errors import CheckpointError
+from ..checkpoint import FORMAT, FORMAT_VERSION, tensor_problem
+from ..errors import CheckpointError
 
 WEIGHTS = "weights."
 STEP = "step"

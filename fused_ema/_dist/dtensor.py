@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from ._grad import without_grad
-
 try:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Partial, distribute_tensor
@@ -174,48 +172,6 @@ def unsharded_names(pairs) -> list[str]:
         for name, ema, model_tensor in pairs
         if is_dtensor(ema) and not is_dtensor(model_tensor)
     ]
-
-
-def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> dict:
-    """ema.full_state_dict(): whole, plain tensors by name; a DTensor is all-gathered (every rank
-    must call), and only `rank` keeps the result (rank=None: every rank). `replicated`: the
-    sharded EMA of a replicated model, gathered in buckets of its flat buffers."""
-    return without_grad(_gather_full, entries, rank, cpu_offload, replicated)
-
-
-def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:
-    dist = torch.distributed
-    distributed = dist.is_available() and dist.is_initialized()
-    keep = rank is None or not distributed or dist.get_rank() == rank
-    out = {}
-    gathered: dict = {}
-    replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
-    if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
-        from ._shard import gather_into
-
-        where = "cpu" if cpu_offload else None
-        full = [
-            torch.empty(e.ema.shape, dtype=e.ema.dtype, device=where or local(e.ema).device)
-            if keep
-            else None
-            for e in replicas
-        ]
-        gather_into([(e.ema, t) for e, t in zip(replicas, full)])
-        gathered = {id(e): t for e, t in zip(replicas, full)}
-    for entry in entries:
-        if id(entry) in gathered:
-            if keep:
-                out.update({name: gathered[id(entry)] for name in entry.names})
-            continue
-        value = full_value(entry.ema.detach())  # every rank joins the gather
-        if not keep:
-            continue
-        value = value.to("cpu") if cpu_offload else value
-        if value.untyped_storage().data_ptr() == local(entry.ema).untyped_storage().data_ptr():
-            value = value.clone()  # a copy, never the live EMA
-        for name in entry.names:
-            out[name] = value
-    return out
 
 
 def refuse_unsharded(by_name: dict, tracked, replicated=None) -> None:
