@@ -267,7 +267,7 @@ def test_cuda_invalid_config_writes_no_update():
 def test_schedule_begin_saves_marks_and_moves_the_counter(device, kind):
     # _C.schedule_begin is Schedule.begin in one C++ call: _saved <- step, _dirty, then the counter
     # set or advanced and the weight of that step computed, as the reference formula says.
-    from fused_ema._schedule import Schedule, check_options
+    from fused_ema._update.schedule import Schedule, check_options
 
     rng = random.Random()
     schedule = Schedule(check_options(decay=0.99, warmup=(2.0, 0.75)), torch.device(device))

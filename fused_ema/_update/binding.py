@@ -42,7 +42,7 @@ class Binding:
         self.module = self._build_module(ema, self.table.entries, model)
 
     def _packed(self, table: EntryTable) -> EntryTable:
-        """A sharded EMA's chunks in one flat buffer per dtype and device (see _shard.py)."""
+        """A sharded EMA's chunks in one flat buffer per dtype and device (see _dist/shard.py)."""
         shard = self.policy.shard
         return table if shard is None else EntryTable(shard.pack(table.entries))
 

@@ -78,7 +78,7 @@ class Updater:
 
     def trace(self, model, step, key: int) -> None:
         """update() inside torch.compile: the traced program walks the model and calls the op
-        (see _compiled.py) whose body, update_traced(), runs the same update on the live model."""
+        (see compiled.py) whose body, update_traced(), runs the same update on the live model."""
         walk = tensor_walk(model, self.binding.with_buffers)
         tensor_step = step if isinstance(step, torch.Tensor) else None
         int_step = None if isinstance(step, torch.Tensor) else step
