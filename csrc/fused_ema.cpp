@@ -34,6 +34,7 @@ PyObject* python_named_walk(PyObject* module, PyObject* args);
 PyObject* python_walk_signature(PyObject* module, PyObject* walk);
 PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* python_walk_agrees(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 // python_walk_cache.cpp
 PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
@@ -119,6 +120,9 @@ PyMethodDef kMethods[] = {
     {"walk_matches", reinterpret_cast<PyCFunction>(fused_ema::python_walk_matches), METH_FASTCALL,
      "walk_matches(walk: list, refs: tuple, signature: bytes) -> bool: every refs[i] is None with "
      "walk[i] None or a weakref.ref to walk[i] itself, and walk_signature(walk) == signature."},
+    {"walk_agrees", reinterpret_cast<PyCFunction>(fused_ema::python_walk_agrees), METH_FASTCALL,
+     "walk_agrees(values: list, walk: list) -> bool: as many items, and each None where walk's "
+     "is None, else a tensor of walk[i]'s dtype, layout, device and sizes (any tensor type)."},
     {"take", reinterpret_cast<PyCFunction>(fused_ema::python_take), METH_FASTCALL,
      "take(walk: list, indices: tuple[int, ...]) -> list: [walk[i] for i in indices]."},
     {"walk_cache", reinterpret_cast<PyCFunction>(fused_ema::python_walk_cache), METH_FASTCALL,

@@ -1,6 +1,6 @@
 // fused_ema._C.walk_signature / walk_matches / take: whether a walk of the model holds the very
 // tensor objects (and types, dtypes, devices, shapes) an update plan was built for, compared and
-// indexed without allocating.
+// indexed without allocating; walk_agrees: whether a compiled program's values line up with it.
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -101,6 +101,45 @@ PyObject* python_walk_matches(PyObject* /*module*/, PyObject* const* args, Py_ss
   }
   if (cursor != end) {
     Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* python_walk_agrees(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "walk_agrees(values, walk) takes 2 arguments (%zd)", nargs);
+    return nullptr;
+  }
+  PyObject* values = args[0];
+  PyObject* walk = args[1];
+  if (!check_type(values, PyList_Check(values), "a list (values)") ||
+      !check_type(walk, PyList_Check(walk), "a list (walk)")) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(walk);
+  if (PyList_GET_SIZE(values) != n) {
+    Py_RETURN_FALSE;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    ItemHeader ours;
+    ItemHeader theirs;
+    c10::IntArrayRef our_sizes;
+    c10::IntArrayRef their_sizes;
+    if (!describe_item(PyList_GET_ITEM(values, i), ours, our_sizes) ||
+        !describe_item(PyList_GET_ITEM(walk, i), theirs, their_sizes)) {
+      return nullptr;
+    }
+    // A compiled program passes plain tensors where the model holds parameters: the Python type
+    // is left out, a None against a tensor is not.
+    if ((ours.type == 0) != (theirs.type == 0)) {
+      Py_RETURN_FALSE;
+    }
+    ours.type = theirs.type = 0;
+    if (std::memcmp(&ours, &theirs, sizeof(ours)) != 0 || our_sizes != their_sizes) {
+      Py_RETURN_FALSE;
+    }
   }
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS

@@ -382,6 +382,30 @@ def test_compiled_update_refuses_a_replaced_parameter_as_eager_does():
     assert ema.step == 4
 
 
+def test_compiled_update_refuses_a_traced_walk_that_disagrees_with_the_c_walk(monkeypatch):
+    # The traced walk is the Python form of the C walk; were they ever to differ (here: the same
+    # items in another order), the compiled update refuses rather than averaging the wrong values.
+    import fused_ema._update.updater as updater_module
+
+    torch._dynamo.reset()
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    compiled = _compiled_update()
+    step = torch.ones((), dtype=torch.int64)
+    compiled(model, ema, step)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    real = updater_module.tensor_walk
+    monkeypatch.setattr(updater_module, "tensor_walk", lambda m, b: real(m, b)[::-1])
+    torch._dynamo.reset()
+    compiled = _compiled_update()
+    step += 1
+    with pytest.raises(RuntimeError, match="walked another model structure"):
+        compiled(model, ema, step)
+    assert ema.step == 1
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_compiled_update_on_a_checkpoint_wrapped_model():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

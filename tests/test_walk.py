@@ -327,3 +327,38 @@ def test_take_indexes_and_checks_bounds():
         _C.take(walk, (0.0,))
     with pytest.raises(TypeError):
         _C.take(walk, [0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=module_trees(), with_buffers=st.booleans(), data=st.data())
+def test_walk_agrees_item_by_item_whatever_the_tensor_type(model, with_buffers, data):
+    # What a compiled update checks its traced values with: plain tensors of the walk's dtypes,
+    # devices and shapes agree; any one item off (shape, dtype, None, one item more or less)
+    # does not.
+    walk = _C.tensor_walk(model, with_buffers)
+    plain = [None if t is None else t.detach().clone() for t in walk]
+    assert _C.walk_agrees(plain, walk)
+    assert _C.walk_agrees(tensor_walk(model, with_buffers), walk)
+    assert not _C.walk_agrees(plain + [torch.zeros(1)], walk)
+    tensors = [i for i, t in enumerate(walk) if t is not None]
+    if not tensors:
+        return
+    i = data.draw(st.sampled_from(tensors))
+    change = data.draw(st.sampled_from(["reshape", "dtype", "none", "drop"]))
+    off = list(plain)
+    if change == "reshape":
+        off[i] = torch.zeros(*walk[i].shape, 2)
+    elif change == "dtype":
+        off[i] = walk[i].detach().double()
+    elif change == "none":
+        off[i] = None
+    else:
+        del off[i]
+    assert not _C.walk_agrees(off, walk)
+
+
+def test_walk_agrees_refuses_what_is_not_a_walk():
+    with pytest.raises(TypeError, match="walk items are tensors or None"):
+        _C.walk_agrees([3], [torch.zeros(1)])
+    with pytest.raises(TypeError, match="a list"):
+        _C.walk_agrees((torch.zeros(1),), [torch.zeros(1)])

@@ -11,9 +11,12 @@ import torch
 
 from .._dist.dtensor import reshard_fsdp
 from .._ext.grad import without_grad
+from .._ext.loader import _C
 from .._model.swap import Swap, check_writable
 from .._model.walk import tensor_walk
 from .nonblocking import AsyncRunner
+
+walk_agrees = _C.walk_agrees
 
 
 class Updater:
@@ -55,7 +58,9 @@ class Updater:
         plan, undo = None, None
         try:
             plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, schedule)
-            if values is not None and len(values) != len(walk):
+            if values is not None and not walk_agrees(values, walk):
+                # The traced walk (_model/walk.py, the Python form dynamo can follow) must be the
+                # C walk item for item: a disagreement is refused, never averaged.
                 raise RuntimeError("fused_ema: the compiled program walked another model structure")
             plan.forget_run()
             schedule.begin(step)
