@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Union
 
 import torch
 from torch import nn
@@ -37,7 +36,7 @@ from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
 
-Device = Union[str, torch.device, None]
+Device = str | torch.device | None
 
 
 class ModelEma(nn.Module):

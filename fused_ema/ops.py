@@ -5,7 +5,6 @@ trace it, and build/CPU-path introspection. The checks that need every tensor ru
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 
@@ -18,7 +17,7 @@ from ._version import __version__
 _is_compiling = torch.compiler.is_compiling
 SUPPORTED_DTYPE_PAIRS = tuple((getattr(torch, e), getattr(torch, s)) for e, s in _C.DTYPE_PAIRS)
 
-Weight = Union[float, torch.Tensor]
+Weight = float | torch.Tensor
 
 
 def lerp_(
