@@ -74,8 +74,11 @@ fused_ema_setup_stamp=$( (cat "$FUSED_EMA_ROOT/.ci/env.sh"; echo "$fused_ema_pyt
   echo "$fused_ema_torch_version") | sha256sum | cut -c1-16)
 fused_ema_setup_stamp_file="$FUSED_EMA_VENV/.fused_ema_setup"
 if [ "$(cat "$fused_ema_setup_stamp_file" 2>/dev/null)" != "$fused_ema_setup_stamp" ]; then
-  fused_ema_requirements="setuptools>=64 wheel ninja pytest hypothesis numpy matplotlib tqdm"
-  if ! python -c "import ninja, pytest, hypothesis, numpy, matplotlib, tqdm" >/dev/null 2>&1; then
+  # safetensors: fused_ema.posthoc's snapshot files (a dependency of the package)
+  fused_ema_requirements="setuptools>=64 wheel ninja safetensors pytest hypothesis numpy
+    matplotlib tqdm"
+  if ! python -c "import ninja, safetensors, pytest, hypothesis, numpy, matplotlib, tqdm" \
+      >/dev/null 2>&1; then
     fused_ema_log "installing build, test and benchmark tools"
     # shellcheck disable=SC2086
     python -m pip install -q $fused_ema_requirements

@@ -28,6 +28,7 @@ LAYERS = [
     ("checkpoint",),  # public: checkpoint formats
     ("_state",),  # options, checkpoints of the EMA, placement, stats
     ("ema",),  # public: the ModelEma façade
+    ("posthoc",),  # public: post-hoc EMA snapshots and synthesis
     ("integrations", "__init__", "__main__"),
 ]
 TEST_ONLY = ("_philox", "_stochastic_round", "_cuda_small_params")

@@ -1,0 +1,64 @@
+"""Post-hoc EMA (EDM2, Karras et al. 2024): snapshots of power-function EMAs saved during training,
+and the EMA of any sigma_rel synthesized from them afterwards.
+
+fused_ema.posthoc.synthesize(snapshot_dir, sigma_rel=0.05)   # dict name -> tensor
+python -m fused_ema.posthoc SNAPSHOT_DIR --sigma-rel 0.05 --out ema.safetensors [--plot fit.png]
+
+profiles.py: sigma_rel <-> gamma, power_beta, the least squares; snapshots.py: the file format
+(written by the training-time tracker); synthesis.py; migrate.py: ema-pytorch's PostHocEMA folders.
+"""
+
+from .migrate import list_ema_pytorch_snapshots
+from .profiles import (
+    GAMMA_MIN,
+    SIGMA_REL_MAX,
+    gamma_to_sigma_rel,
+    least_squares_coefficients,
+    power_beta,
+    power_profile,
+    profile_inner_products,
+    sigma_rel_to_gamma,
+)
+from .snapshots import (
+    FORMAT,
+    SnapshotError,
+    SnapshotInfo,
+    clean_temporary_files,
+    list_snapshots,
+    next_index,
+    save_snapshot,
+    snapshot_metadata,
+    snapshot_path,
+    snapshot_tensors,
+    write_snapshot,
+)
+from .synthesis import Synthesis, solve_coefficients, synthesize
+
+# ---- PostHocEma, the training-time tracker that writes the snapshots (its own module in this
+# ---- package), is exported here by its author, and added to __all__.
+
+__all__ = [
+    "FORMAT",
+    "GAMMA_MIN",
+    "SIGMA_REL_MAX",
+    "SnapshotError",
+    "SnapshotInfo",
+    "Synthesis",
+    "clean_temporary_files",
+    "gamma_to_sigma_rel",
+    "least_squares_coefficients",
+    "list_ema_pytorch_snapshots",
+    "list_snapshots",
+    "next_index",
+    "power_beta",
+    "power_profile",
+    "profile_inner_products",
+    "save_snapshot",
+    "sigma_rel_to_gamma",
+    "snapshot_metadata",
+    "snapshot_path",
+    "snapshot_tensors",
+    "solve_coefficients",
+    "synthesize",
+    "write_snapshot",
+]

@@ -1,0 +1,99 @@
+"""ema-pytorch's PostHocEMA checkpoint folders as snapshots: its files `{ema_index}.{step}.pt`
+(torch.save of KarrasEMA.state_dict(): initted, step, ema_model.<name>, every tensor cast to its
+checkpoint_dtype) listed and opened like fused_ema's own, so synthesize reads both.
+
+What the files lack, the caller supplies or a convention fills in:
+- the tracked EMAs' sigma_rels (or gammas): PostHocEMA keeps them in memory only;
+- the EMA's own dtypes: every tensor, integer buffers included, was cast to checkpoint_dtype, so
+  all are averaged and come back in float32 (or the dtype asked for); load_state_dict casts an
+  integer buffer such as num_batches_tracked back (ema-pytorch never updates those in its EMAs);
+- time: the step of the file name (ema-pytorch's count of update() calls), as ema-pytorch's own
+  synthesize_ema_model uses it. With update_every=1 its k-th update uses EDM2's beta of update
+  k + 1 after a copy, so its profile is EDM2's at t = step + 1 (on a history whose first entry
+  counts twice): an offset of one update that neither side corrects, negligible beside the fit
+  error of any practical snapshot spacing. With update_every > 1 the profile is only roughly a
+  power function of the call count.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
+from .snapshots import SnapshotContents, SnapshotError, SnapshotInfo
+
+SOURCE = "ema-pytorch"
+NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")
+PREFIX = "ema_model."
+DTYPE = torch.float32  # the dtype of every synthesized tensor (see above)
+
+
+def is_ema_pytorch_folder(folder) -> bool:
+    """Whether `folder` holds files named like ema-pytorch's PostHocEMA checkpoints."""
+    return any(NAME.match(e.name) for e in os.scandir(folder))
+
+
+def list_ema_pytorch_snapshots(
+    folder, *, sigma_rels: Sequence[float] | None = None, gammas: Sequence[float] | None = None
+) -> list[SnapshotInfo]:
+    """The checkpoints of an ema-pytorch PostHocEMA folder as snapshots, given the sigma_rels (or
+    gammas) the PostHocEMA was built with, in its order (its files do not record them). index is
+    the rank of the file's step among the folder's steps."""
+    if (sigma_rels is None) == (gammas is None):
+        raise ValueError(
+            "an ema-pytorch folder needs the sigma_rels or the gammas (one of them) its "
+            "PostHocEMA was built with, in order: its files do not record them"
+        )
+    if sigma_rels is not None:
+        sigma_rels = [float(s) for s in sigma_rels]
+        gammas = [sigma_rel_to_gamma(s) for s in sigma_rels]
+    else:
+        gammas = [float(g) for g in gammas]
+        sigma_rels = [gamma_to_sigma_rel(g) for g in gammas]
+    folder = Path(folder)
+    found = sorted(
+        (int(m[2]), int(m[1]), folder / e.name)
+        for e in os.scandir(folder)
+        if (m := NAME.match(e.name))
+    )
+    rank = {step: i for i, step in enumerate(sorted({step for step, _, _ in found}))}
+    snapshots = []
+    for step, k, path in found:
+        if k >= len(gammas):
+            raise SnapshotError(
+                f"{path}: a checkpoint of EMA {k}, but {len(gammas)} sigma_rels/gammas were given"
+            )
+        if step < 1:
+            raise SnapshotError(f"{path}: step 0 (no update yet) cannot be synthesized from")
+        snapshots.append(SnapshotInfo(rank[step], k, step, gammas[k], sigma_rels[k], path, SOURCE))
+    return sorted(snapshots)
+
+
+@contextmanager
+def open_ema_pytorch_snapshot(info: SnapshotInfo) -> Iterator[SnapshotContents]:
+    """The EMA's tensors of one ema-pytorch checkpoint (memory-mapped while the context lasts)."""
+    try:
+        state = torch.load(info.path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch.load raises many kinds for a damaged file
+        raise SnapshotError(f"{info.path}: not a readable ema-pytorch checkpoint ({err})") from None
+    if not isinstance(state, dict) or not any(str(k).startswith(PREFIX) for k in state):
+        raise SnapshotError(
+            f"{info.path}: not an ema-pytorch KarrasEMA state dict (no {PREFIX}* entries)"
+        )
+    tensors = {k[len(PREFIX) :]: v for k, v in state.items() if k.startswith(PREFIX)}
+    wrong = [name for name, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    if wrong:
+        raise SnapshotError(f"{info.path}: entries that are not tensors: {', '.join(wrong)}")
+    yield SnapshotContents(
+        list(tensors),
+        dict.fromkeys(tensors, DTYPE),
+        {name: tuple(t.shape) for name, t in tensors.items()},
+        frozenset(tensors),
+        tensors.__getitem__,
+    )
