@@ -60,19 +60,19 @@ void check_runner(Runner runner, const DevicePlan& plan, const TrackWeights& wei
 // the planner added them so, but put its stand-ins last.
 void group_by_tensor(DevicePlan& plan, size_t tensors, const TrackWeights& weights) {
   std::vector<FlatPair>& pairs = plan.pairs;
-  if (weights.device_tensor == nullptr) {
-    pairs.erase(
-        std::remove_if(pairs.begin(), pairs.end(),
-                       [&](const FlatPair& p) { return weights.values[p.index / tensors] == 0.0; }),
-        pairs.end());
+  const TrackIndex at(tensors);
+  const std::vector<double>& values = weights.values;
+  if (std::find(values.begin(), values.end(), 0.0) != values.end()) {
+    pairs.erase(std::remove_if(pairs.begin(), pairs.end(),
+                               [&](const FlatPair& p) { return values[at.track(p.index)] == 0.0; }),
+                pairs.end());
   }
-  const auto by_tensor = [&](const FlatPair& a, const FlatPair& b) {
-    const uint32_t ta = a.index % tensors;
-    const uint32_t tb = b.index % tensors;
-    return ta != tb ? ta < tb : a.index < b.index;
-  };
-  if (!std::is_sorted(pairs.begin(), pairs.end(), by_tensor)) {
-    std::sort(pairs.begin(), pairs.end(), by_tensor);
+  if (!plan.stand_ins.empty()) {
+    std::sort(pairs.begin(), pairs.end(), [&](const FlatPair& a, const FlatPair& b) {
+      const uint32_t ta = at.tensor(a.index);
+      const uint32_t tb = at.tensor(b.index);
+      return ta != tb ? ta < tb : a.index < b.index;
+    });
   }
 }
 

@@ -302,7 +302,10 @@ void LerpPlanner::add(const at::Tensor& e, const at::Tensor& s, size_t i) {
   void* e_data = e.mutable_data_ptr();
   const void* s_data = s.const_data_ptr();
   w.ema_ranges.push_back(memory_interval(e, e_data, e_contiguous, index));
-  w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
+  if (names_.tensors == 0 || i < names_.tensors) {
+    // lerp_many_'s tracks share each src (and its device): its range once, with track 0's pair.
+    w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
+  }
   if (dense_pair(e, s, e_contiguous, s_contiguous) && (e_contiguous || !row_major_)) {
     // Written in place (sized for every pair up front): push_back was an out-of-line call.
     FlatPair& pair = w.plan.pairs[w.pair_count++];

@@ -108,17 +108,21 @@ struct TrackRow {
   uint32_t tracks;
 };
 
-// Calls span(pair, begin, end) over every pair of a lerp_many_ plan, the tracks of a src taking
-// turns block by block (kTrackBlockBytes of src): one flat range over the src elements, split by
-// a single at::parallel_for.
+// Calls span(pair, track, begin, end) over every pair of a lerp_many_ plan, the tracks of a src
+// taking turns block by block (kTrackBlockBytes of src): one flat range over the src elements,
+// split by a single at::parallel_for.
 template <typename Span>
 void for_each_track_span(const DevicePlan& plan, size_t tensors, const Span& span) {
   Scratch<TrackRow, 0> rows_scratch;
   std::vector<TrackRow>& rows = rows_scratch.vec;
   const std::vector<FlatPair>& pairs = plan.pairs;
-  for (size_t p = 0; p < pairs.size(); ++p) {
-    if (p == 0 || pairs[p].index % tensors != pairs[p - 1].index % tensors) {
-      rows.push_back({&pairs[p], 0});
+  const TrackIndex at(tensors);
+  uint32_t last = UINT32_MAX;
+  for (const FlatPair& pair : pairs) {
+    const uint32_t tensor = at.tensor(pair.index);
+    if (tensor != last) {
+      rows.push_back({&pair, 0});
+      last = tensor;
     }
     ++rows.back().tracks;
   }
@@ -133,8 +137,17 @@ void for_each_track_span(const DevicePlan& plan, size_t tensors, const Span& spa
       std::max<int64_t>(1, kGrainSize / tracks),
       std::max<size_t>(1, kPrefetchPairs / static_cast<size_t>(tracks)),
       [&](size_t r) {
-        for (uint32_t k = 0; k < rows[r].tracks; ++k) {
-          prefetch_pair(rows[r].pairs[k], far);
+        // The tracks share the src (bar stand-ins): prefetched with the first.
+        prefetch_pair(rows[r].pairs[0], far);
+        for (uint32_t k = 1; k < rows[r].tracks; ++k) {
+          const FlatPair& pair = rows[r].pairs[k];
+          if (far) {
+            const auto bytes = static_cast<int64_t>(
+                c10::elementSize(kPairs[static_cast<int>(pair.kind)].ema) * pair.numel);
+            prefetch_range<1>(pair.ema, std::min(bytes, kPrefetchBytes));
+          } else {
+            __builtin_prefetch(pair.ema, 1);
+          }
         }
       },
       [&](size_t r, int64_t begin, int64_t end) {
@@ -144,7 +157,8 @@ void for_each_track_span(const DevicePlan& plan, size_t tensors, const Span& spa
         for (int64_t lo = begin; lo < end;) {
           const int64_t hi = std::min(end, (lo / block + 1) * block);
           for (uint32_t k = 0; k < row.tracks; ++k) {
-            span(row.pairs[k], lo, hi);
+            const FlatPair& pair = row.pairs[k];
+            span(pair, at.track(pair.index), lo, hi);
           }
           lo = hi;
         }
@@ -183,10 +197,11 @@ void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
 void run_tracks_plan(const DevicePlan& plan, size_t tensors, const TrackWeights& weights) {
   TORCH_INTERNAL_ASSERT(weights.device_tensor == nullptr);
   const SpanKernels& kernels = active_span_kernels();
-  for_each_track_span(plan, tensors, [&](const FlatPair& pair, int64_t begin, int64_t end) {
-    kernels.fn[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end,
-                                            weights.values[pair.index / tensors]);
-  });
+  for_each_track_span(plan, tensors,
+                      [&](const FlatPair& pair, uint32_t track, int64_t begin, int64_t end) {
+                        kernels.fn[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end,
+                                                                weights.values[track]);
+                      });
   plan.write_back();
 }
 
@@ -194,14 +209,16 @@ void run_stochastic_tracks_plan(const DevicePlan& plan, size_t tensors, const Tr
                                 const TrackRounding& rounding) {
   TORCH_INTERNAL_ASSERT(weights.device_tensor == nullptr && rounding.step_tensor == nullptr);
   const SpanKernels& kernels = active_span_kernels();
-  for_each_track_span(plan, tensors, [&](const FlatPair& pair, int64_t begin, int64_t end) {
-    const size_t track = pair.index / tensors;
-    const SrStream stream{static_cast<uint64_t>(rounding.seeds[track]), rounding.step,
-                          static_cast<uint64_t>(rounding.offsets[pair.index % tensors]),
-                          static_cast<uint32_t>(rounding.keys[pair.index])};
-    kernels.sr[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end, weights.values[track],
-                                            stream);
-  });
+  const auto tensor_count = static_cast<uint32_t>(tensors);
+  for_each_track_span(
+      plan, tensors, [&](const FlatPair& pair, uint32_t track, int64_t begin, int64_t end) {
+        const SrStream stream{
+            static_cast<uint64_t>(rounding.seeds[track]), rounding.step,
+            static_cast<uint64_t>(rounding.offsets[pair.index - track * tensor_count]),
+            static_cast<uint32_t>(rounding.keys[pair.index])};
+        kernels.sr[static_cast<int>(pair.kind)](pair.ema, pair.src, begin, end,
+                                                weights.values[track], stream);
+      });
   plan.write_back();
 }
 
