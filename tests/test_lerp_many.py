@@ -489,60 +489,42 @@ def test_emas_not_lists_of_lists(emas, match):
         fused_ema.lerp_many_(emas, [torch.zeros(3)], [0.5])
 
 
-def test_ema_shared_between_tracks(entry, device):
-    emas, src = good_tracks(device)
+def share_between_tracks(emas, src, device):
     emas[1][2] = emas[0][2]
-    assert_rejected(
-        lambda: entry(emas, src, [0.1, 0.2, 0.3]),
-        emas,
-        RuntimeError,
-        r"emas\[0\]\[2\] and emas\[1\]\[2\] share memory",
-    )
 
 
-def test_overlapping_views_in_two_tracks(entry, device):
-    emas, src = good_tracks(device)
+def overlap_views_in_two_tracks(emas, src, device):
     base = torch.randn(400, device=device)
     emas[0][1], emas[2][3] = base[:257], base[100:357]
-    assert_rejected(
-        lambda: entry(emas, src, [0.1, 0.2, 0.3]),
-        emas,
-        RuntimeError,
-        r"emas\[0\]\[1\] and emas\[2\]\[3\] share memory",
-    )
 
 
-def test_src_aliasing_an_ema_of_its_own_tensor(entry, device):
-    emas, src = good_tracks(device)
+def alias_src_to_an_ema_of_its_tensor(emas, src, device):
     src[1] = emas[2][1]
-    assert_rejected(
-        lambda: entry(emas, src, [0.1, 0.2, 0.3]),
-        emas,
-        RuntimeError,
-        r"src\[1\] aliases emas\[2\]\[1\]",
-    )
 
 
-def test_src_overlapping_another_ema(entry, device):
-    emas, src = good_tracks(device)
+def alias_src_to_another_ema(emas, src, device):
     src[3] = emas[1][0]
-    assert_rejected(
-        lambda: entry(emas, src, [0.1, 0.2, 0.3]),
-        emas,
-        RuntimeError,
-        r"src\[3\] shares memory with emas\[1\]\[0\]",
-    )
 
 
-def test_shape_mismatch(entry, device):
-    emas, src = good_tracks(device)
+def mismatch_shapes(emas, src, device):
     emas[2][1] = torch.randn(16, 16, device=device)
-    assert_rejected(
-        lambda: entry(emas, src, [0.1, 0.2, 0.3]),
-        emas,
-        ValueError,
-        r"src\[1\] has shape \[257\] but emas\[2\]\[1\] has shape \[16, 16\]",
-    )
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (share_between_tracks, RuntimeError, r"emas\[0\]\[2\] and emas\[1\]\[2\] share memory"),
+        (overlap_views_in_two_tracks, RuntimeError, r"emas\[0\]\[1\] and emas\[2\]\[3\] share"),
+        (alias_src_to_an_ema_of_its_tensor, RuntimeError, r"src\[1\] aliases emas\[2\]\[1\]"),
+        (alias_src_to_another_ema, RuntimeError, r"src\[3\] shares memory with emas\[1\]\[0\]"),
+        (mismatch_shapes, ValueError, r"src\[1\] has shape \[257\] but emas\[2\]\[1\] has shape"),
+    ],
+    ids=lambda v: v.__name__ if callable(v) else None,
+)
+def test_bad_lists(entry, device, change, error, match):
+    emas, src = good_tracks(device)
+    change(emas, src, device)
+    assert_rejected(lambda: entry(emas, src, [0.1, 0.2, 0.3]), emas, error, match)
 
 
 @pytest.mark.parametrize("ema_dtype", [torch.float16, torch.int32])

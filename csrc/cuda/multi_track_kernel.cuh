@@ -35,12 +35,54 @@ FUSED_EMA_HOST_DEVICE inline void check_aligned([[maybe_unused]] const T* packs,
 #endif
 }
 
-// Each track binds the op anew where it uses it (a few instructions; a device weight is an L1
-// hit): bound ops kept for every track would hold their registers across the whole loop. The
-// track loops unroll, so that the op's per-track fields are indexed at compile time (a run-time
-// index would copy the op to local memory); each track's EMA values are stored before the next
-// track loads its own (the tracks' pointers may alias as far as the compiler knows), so one
-// track's registers are live at a time, next to the source's.
+// Calls visit(ema, f) for every track of the tensor that has an EMA in this launch and a weight
+// that is not 0, f its bound op. Each track binds the op anew where it is used (a few
+// instructions; a device weight is an L1 hit): bound ops kept for every track would hold their
+// registers across the whole walk. The loop stays rolled, one track's registers live at a time
+// next to the source's; the op and the metadata are __grid_constant__, so the run-time track
+// index reads them in place.
+template <typename Op, typename Visit>
+FUSED_EMA_HOST_DEVICE inline void for_each_track(const Op& op, const typename Op::extra_t& tracks,
+                                                 const Visit& visit) {
+#pragma unroll 1
+  for (int k = 0; k < Op::kTracks; ++k) {
+    auto* ema = static_cast<typename Op::ema_t*>(Op::ema(tracks, k));
+    const auto f = op.bind(tracks, k);
+    if (ema != nullptr && !f.skip) {
+      visit(ema, f);
+    }
+  }
+}
+
+// Loads the items base + j * kBlockThreads (j < kIlp) of `chunk` that lie below `count`.
+template <int kIlp, typename T>
+FUSED_EMA_HOST_DEVICE inline void load_items(T (&out)[kIlp], const T* chunk, int base, int count) {
+#pragma unroll
+  for (int j = 0; j < kIlp; ++j) {
+    const int i = base + j * kBlockThreads;
+    if (i < count) {
+      out[j] = chunk[i];
+    }
+  }
+}
+
+// One track's step of the walk: its EMA items of base (see load_items) loaded, each updated from
+// the source's by update(f, e, s, index in the chunk), stored.
+template <int kIlp, typename T, typename U, typename F, typename Update>
+FUSED_EMA_HOST_DEVICE inline void update_items(T* chunk, const U (&s)[kIlp], int base, int count,
+                                               const F& f, const Update& update) {
+  T e[kIlp];
+  load_items(e, chunk, base, count);
+#pragma unroll
+  for (int j = 0; j < kIlp; ++j) {
+    const int i = base + j * kBlockThreads;
+    if (i < count) {
+      update(f, e[j], s[j], i);
+      chunk[i] = e[j];
+    }
+  }
+}
+
 #if defined(__CUDACC__)
 template <typename Op, int kCapacity>
 __global__ void __launch_bounds__(kBlockThreads, MinBlocksPerSM<Op>::value)
@@ -66,37 +108,11 @@ void multi_track_kernel(const MetaOf<Op, kCapacity>& meta, const Op& op, int32_t
     const S* src_chunk = src + w.begin;
     for (int base = static_cast<int>(thread); base < count; base += kBlockThreads * kIlp) {
       S s[kIlp];
-#pragma unroll
-      for (int j = 0; j < kIlp; ++j) {
-        const int i = base + j * kBlockThreads;
-        if (i < count) {
-          s[j] = src_chunk[i];
-        }
-      }
-#pragma unroll 1
-      for (int k = 0; k < Op::kTracks; ++k) {
-        E* ema = static_cast<E*>(Op::ema(tracks, k));
-        const auto f = op.bind(tracks, k);
-        if (ema == nullptr || f.skip) {
-          continue;
-        }
-        E* ema_chunk = ema + w.begin;
-        E e[kIlp];
-#pragma unroll
-        for (int j = 0; j < kIlp; ++j) {
-          const int i = base + j * kBlockThreads;
-          if (i < count) {
-            e[j] = ema_chunk[i];
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kIlp; ++j) {
-          const int i = base + j * kBlockThreads;
-          if (i < count) {
-            ema_chunk[i] = apply_one(f, e[j], s[j], w.begin + i);
-          }
-        }
-      }
+      load_items(s, src_chunk, base, count);
+      for_each_track(op, tracks, [&](E* ema, const auto& f) {
+        update_items(ema + w.begin, s, base, count, f,
+                     [&](const auto& g, E& e, S x, int i) { e = apply_one(g, e, x, w.begin + i); });
+      });
     }
     return;
   }
@@ -105,60 +121,29 @@ void multi_track_kernel(const MetaOf<Op, kCapacity>& meta, const Op& op, int32_t
   check_aligned(src_chunk, count);
   for (int base = static_cast<int>(thread); base < count; base += kBlockThreads * kIlp) {
     Pack<S, kPack> s[kIlp];
-#pragma unroll
-    for (int j = 0; j < kIlp; ++j) {
-      const int p = base + j * kBlockThreads;
-      if (p < count) {
-        s[j] = src_chunk[p];
-      }
-    }
-#pragma unroll 1
-    for (int k = 0; k < Op::kTracks; ++k) {
-      E* ema = static_cast<E*>(Op::ema(tracks, k));
-      const auto f = op.bind(tracks, k);
-      if (ema == nullptr || f.skip) {
-        continue;
-      }
+    load_items(s, src_chunk, base, count);
+    for_each_track(op, tracks, [&](E* ema, const auto& f) {
       auto* ema_chunk = reinterpret_cast<Pack<E, kPack>*>(ema + w.head) + w.begin;
       check_aligned(ema_chunk, count);
-      Pack<E, kPack> e[kIlp];
+      update_items(ema_chunk, s, base, count, f,
+                   [&](const auto& g, Pack<E, kPack>& e, const Pack<S, kPack>& x, int p) {
+                     if constexpr (std::decay_t<decltype(g)>::kIndexed) {
+                       g.pack(e, x, w.head + (w.begin + p) * kPack);
+                     } else {
 #pragma unroll
-      for (int j = 0; j < kIlp; ++j) {
-        const int p = base + j * kBlockThreads;
-        if (p < count) {
-          e[j] = ema_chunk[p];
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kIlp; ++j) {
-        const int p = base + j * kBlockThreads;
-        if (p < count) {
-          if constexpr (std::decay_t<decltype(f)>::kIndexed) {
-            f.pack(e[j], s[j], w.head + (w.begin + p) * kPack);
-          } else {
-#pragma unroll
-            for (int v = 0; v < kPack; ++v) {
-              e[j].v[v] = f(e[j].v[v], s[j].v[v]);
-            }
-          }
-          ema_chunk[p] = e[j];
-        }
-      }
-    }
+                       for (int v = 0; v < kPack; ++v) {
+                         e.v[v] = g(e.v[v], x.v[v]);
+                       }
+                     }
+                   });
+    });
   }
   // The unaligned head and the tail shorter than a pack: fewer than 2 * kPack elements.
   if (thread < w.scalars) {
     const auto head = static_cast<unsigned>(w.head);  // >= 0 here
     const int64_t i = thread < head ? thread : w.tail_begin + (thread - head);
     const S s = src[i];
-#pragma unroll 1
-    for (int k = 0; k < Op::kTracks; ++k) {
-      E* ema = static_cast<E*>(Op::ema(tracks, k));
-      const auto f = op.bind(tracks, k);
-      if (ema != nullptr && !f.skip) {
-        ema[i] = apply_one(f, ema[i], s, i);
-      }
-    }
+    for_each_track(op, tracks, [&](E* ema, const auto& f) { ema[i] = apply_one(f, ema[i], s, i); });
   }
 }
 
