@@ -315,13 +315,14 @@ def _lerp_many_stochastic_fake(emas, src, weights, step, seeds, keys, offsets) -
             f"{_MANY_OP}step must be one int64 element (a 0-dim tensor), got {_dtype_name(step)} "
             f"of shape {list(step.shape)}"
         )
-    for name, values, count in (
-        ("seeds", seeds, tracks),
-        ("keys", keys, len(emas)),
-        ("offsets", offsets, len(src)),
+    emas_text = f"emas has {len(emas)} tensors (one key per EMA tensor, track k's tensor i at "
+    for name, values, count, expected in (
+        ("seeds", seeds, tracks, f"there are {tracks} tracks (one seed per track)"),
+        ("keys", keys, len(emas), emas_text + "k * len(src) + i)"),
+        ("offsets", offsets, len(src), f"src has {len(src)} tensors"),
     ):
         if len(values) != count:
-            raise ValueError(f"{_MANY_OP}{name} has {len(values)} entries, not {count}")
+            raise ValueError(f"{_MANY_OP}{name} has {len(values)} entries but {expected}")
     _refuse_meta(_MANY_OP, [step])
 
 

@@ -66,6 +66,15 @@ struct TrackWeightArgs {
   }
 };
 
+// Without __grid_constant__ (a build for pre-Volta targets too) the kernel copies the op to local
+// memory for its run-time track index, which costs registers: one resident block per SM lets them
+// grow past 64 instead of spilling.
+#if defined(FUSED_EMA_PRE_VOLTA_BUILD)
+constexpr int kTrackMinBlocksPerSM = 1;
+#else
+constexpr int kTrackMinBlocksPerSM = kMinBlocksPerSM;
+#endif
+
 // The weights of tracks [first, first + kMaxTracks): `count` host values, or the device array of
 // all K (f32 or f64, `stride` elements apart).
 inline TrackWeightArgs round_weights(const double* values, size_t count, const float* f32,
@@ -88,6 +97,7 @@ struct LerpManyOp {
   using src_t = S;
   using extra_t = TrackEmas;
   static constexpr int kTracks = kMaxTracks;
+  static constexpr int kMinBlocksPerSM = kTrackMinBlocksPerSM;
   static constexpr int kPack = Track::kPack;
   // The source packs stay live through every track's: for 16-bit pairs (8 conversions a pack
   // each way) four in flight spilled within 64 registers on sm_80; two do not.
@@ -108,6 +118,7 @@ struct LerpManyStochasticOp {
   using src_t = S;
   using extra_t = SrTrackEmas;
   static constexpr int kTracks = kMaxTracks;
+  static constexpr int kMinBlocksPerSM = kTrackMinBlocksPerSM;
   static constexpr int kPack = Track::kPack;
   static constexpr int kIlp = Track::kIlp;
 
