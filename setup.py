@@ -37,6 +37,7 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 CPU_SOURCES = [
     "csrc/fused_ema.cpp",
     "csrc/grad_mode.cpp",
+    "csrc/lerp_many.cpp",
     "csrc/lerp_op.cpp",
     "csrc/lerp_plan.cpp",
     "csrc/python_fast_path.cpp",

@@ -25,7 +25,9 @@ int cuda_version_built();
 #endif
 
 namespace fused_ema {
-PyObject* python_lerp_eager(PyObject* module, PyObject* args);  // python_fast_path.cpp
+// python_fast_path.cpp
+PyObject* python_lerp_eager(PyObject* module, PyObject* args);
+PyObject* python_lerp_many_eager(PyObject* module, PyObject* args);
 // python_schedule.cpp
 PyObject* python_schedule_begin(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 // python_walk.cpp
@@ -50,6 +52,14 @@ TORCH_LIBRARY(fused_ema, m) {
   m.def(
       "lerp_stochastic_(Tensor(a!)[] ema, Tensor[] src, Tensor weight, Tensor step, int seed, "
       "int[] keys, int[] offsets) -> ()");
+  // K EMA tracks of one list of sources, each track as lerp_ (lerp_stochastic_) with its own
+  // weight, each source read once. Schemas take no list of lists: emas holds the tracks one after
+  // another (track k's tensor i at k * len(src) + i); weights has K float32/float64 elements,
+  // seeds one per track, keys one per EMA tensor (as emas), offsets one per src tensor.
+  m.def("lerp_many_(Tensor(a!)[] emas, Tensor[] src, Tensor weights) -> ()");
+  m.def(
+      "lerp_many_stochastic_(Tensor(a!)[] emas, Tensor[] src, Tensor weights, Tensor step, "
+      "int[] seeds, int[] keys, int[] offsets) -> ()");
   // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
   // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
   m.def("ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()");
@@ -101,6 +111,10 @@ PyMethodDef kMethods[] = {
     {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
      "lerp_(ema: list, src: list, weight: float | int | Tensor) on plain tensors without the "
      "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
+    {"_lerp_many_eager", fused_ema::python_lerp_many_eager, METH_VARARGS,
+     "lerp_many_(emas: list of lists, src: list, weights: list of floats | Tensor) on plain "
+     "tensors without the dispatcher; returns False, having done nothing, where the dispatcher is "
+     "needed."},
     {"schedule_begin", reinterpret_cast<PyCFunction>(fused_ema::python_schedule_begin),
      METH_FASTCALL,
      "schedule_begin(schedule, step: int | Tensor | None): saves schedule.step in "

@@ -20,8 +20,6 @@ constexpr auto kNumDeviceTypes =
     static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES);
 
 constexpr const char* kStochasticOp = "fused_ema.lerp_stochastic_: ";
-// Keys are 32 bits of the Philox counter.
-constexpr int64_t kMaxKey = UINT32_MAX;
 
 std::array<DeviceRunner, kNumDeviceTypes>& runners() {
   static std::array<DeviceRunner, kNumDeviceTypes> table{};
@@ -43,14 +41,15 @@ std::string join(const std::vector<std::string>& names) {
 
 template <typename Runner>
 void check_runner(Runner runner, const DevicePlan& plan, const LerpWeight& weight, const char* op) {
-  TORCH_CHECK(runner != nullptr, op, "no kernel for tensors on ", plan.device,
-              " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
+  check_has_kernel(runner != nullptr, plan.device, op);
   TORCH_CHECK(weight.device_tensor == nullptr || weight.device_tensor->device() == plan.device, op,
               "weight is on ", weight.device_tensor->device(), " but ema tensors are on ",
               plan.device, "; pass the weight on the EMA's device, on the CPU, or as a float");
 }
 
-std::vector<const at::Tensor*> refs(at::TensorList tensors) {
+}  // namespace
+
+std::vector<const at::Tensor*> tensor_refs(at::TensorList tensors) {
   std::vector<const at::Tensor*> out(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     out[i] = &tensors[i];
@@ -58,11 +57,14 @@ std::vector<const at::Tensor*> refs(at::TensorList tensors) {
   return out;
 }
 
-}  // namespace
-
 bool register_device_runner(c10::DeviceType type, DeviceRunner runner) {
   runners()[static_cast<size_t>(type)] = runner;
   return true;
+}
+
+void check_has_kernel(bool has_kernel, c10::Device device, const char* op) {
+  TORCH_CHECK(has_kernel, op, "no kernel for tensors on ", device,
+              " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
 }
 
 std::vector<std::string> devices_with_kernels() {
@@ -139,10 +141,7 @@ namespace {
 // The step and the per-tensor arguments of lerp_stochastic_; a CPU step is read here.
 StochasticRounding rounding_args(size_t count, const at::Tensor& step, int64_t seed,
                                  c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
-  TORCH_CHECK_VALUE(step.defined(), kStochasticOp, "step is an undefined tensor");
-  TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong,
-                    kStochasticOp, "step must be one int64 element (a 0-dim tensor), got ",
-                    dtype_name(step.scalar_type()), " of shape ", step.sizes());
+  const CheckedStep checked = checked_step(step, kStochasticOp);
   TORCH_CHECK_VALUE(keys.size() == count, kStochasticOp, "keys has ", keys.size(),
                     " entries but ema has ", count, " tensors");
   TORCH_CHECK_VALUE(offsets.size() == count, kStochasticOp, "offsets has ", offsets.size(),
@@ -157,15 +156,23 @@ StochasticRounding rounding_args(size_t count, const at::Tensor& step, int64_t s
   rounding.seed = static_cast<uint64_t>(seed);
   rounding.keys = keys;
   rounding.offsets = offsets;
-  if (step.is_cpu()) {
-    rounding.step = static_cast<uint64_t>(*step.const_data_ptr<int64_t>());
-  } else {
-    rounding.step_tensor = &step;
-  }
+  rounding.step = checked.value;
+  rounding.step_tensor = checked.tensor;
   return rounding;
 }
 
 }  // namespace
+
+CheckedStep checked_step(const at::Tensor& step, const char* op) {
+  TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
+  TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
+                    "step must be one int64 element (a 0-dim tensor), got ",
+                    dtype_name(step.scalar_type()), " of shape ", step.sizes());
+  if (!step.is_cpu()) {
+    return {0, &step};
+  }
+  return {static_cast<uint64_t>(*step.const_data_ptr<int64_t>()), nullptr};
+}
 
 void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
                      const at::Tensor& step, int64_t seed, c10::ArrayRef<int64_t> keys,
@@ -198,7 +205,7 @@ void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
 void lerp_stochastic_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight,
                         const at::Tensor& step, int64_t seed, at::IntArrayRef keys,
                         at::IntArrayRef offsets) {
-  lerp_stochastic(refs(ema), refs(src), weight, step, seed, keys, offsets);
+  lerp_stochastic(tensor_refs(ema), tensor_refs(src), weight, step, seed, keys, offsets);
 }
 
 bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner) {
@@ -207,11 +214,11 @@ bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner) {
 }
 
 void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight) {
-  lerp(refs(ema), refs(src), weight);
+  lerp(tensor_refs(ema), tensor_refs(src), weight);
 }
 
 void lerp_op_tensor_weight(at::TensorList ema, at::TensorList src, const at::Tensor& weight) {
-  lerp(refs(ema), refs(src), weight);
+  lerp(tensor_refs(ema), tensor_refs(src), weight);
 }
 
 }  // namespace fused_ema

@@ -30,6 +30,9 @@ bool register_device_runner(c10::DeviceType type, DeviceRunner runner);
 // "cpu", "cuda": the device types this build has kernels for.
 std::vector<std::string> devices_with_kernels();
 
+// Refuses tensors on `device` when this build has no kernel for them (`op` starts the message).
+void check_has_kernel(bool has_kernel, c10::Device device, const char* op);
+
 // A Python number as weight: a float or an int (not a bool), finite.
 void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight);
 void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight);
@@ -41,6 +44,17 @@ LerpWeight checked_weight(const c10::Scalar& weight);
 LerpWeight checked_weight(const at::Tensor& weight);
 void check_runnable(const DevicePlan& plan, const LerpWeight& weight);
 void run_plans(const std::vector<DevicePlan>& plans, const LerpWeight& weight);
+
+// A step of lerp_stochastic_ (one int64 element), checked: read here from the CPU, else left on
+// its device for the kernel to read.
+struct CheckedStep {
+  uint64_t value = 0;
+  const at::Tensor* tensor = nullptr;
+};
+CheckedStep checked_step(const at::Tensor& step, const char* op);
+
+// Keys are 32 bits of the Philox counter (../stochastic_round.h).
+constexpr int64_t kMaxKey = UINT32_MAX;
 
 // lerp_stochastic_'s rounding arguments as a runner receives them (../stochastic_round.h).
 struct StochasticRounding {
@@ -61,6 +75,9 @@ bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner);
 void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
                      const at::Tensor& step, int64_t seed, c10::ArrayRef<int64_t> keys,
                      c10::ArrayRef<int64_t> offsets);
+
+// A dispatcher list as the planner's borrowed tensors.
+std::vector<const at::Tensor*> tensor_refs(at::TensorList tensors);
 
 // The signatures the dispatcher calls (schema in fused_ema.cpp).
 void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight);

@@ -73,36 +73,79 @@ bool same_shape(c10::IntArrayRef a, c10::IntArrayRef b) {
   return true;
 }
 
-void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i) {
-  TORCH_CHECK(e.defined(), kOp, "ema[", i, "] is an undefined tensor");
-  TORCH_CHECK(s.defined(), kOp, "src[", i, "] is an undefined tensor");
-  TORCH_CHECK(s.device() == e.device(), kOp, "src[", i, "] is on ", s.device(), " but ema[", i,
-              "] is on ", e.device(),
+// A pair's tensors in error messages (PairNames): ema[i] or emas[k][i]; src[i]; the pair itself
+// (lerp_'s "index i", lerp_many_'s emas[k][i]).
+struct EmaName {
+  const PairNames& names;
+  int64_t index;
+};
+struct SrcName {
+  const PairNames& names;
+  int64_t index;
+};
+struct PairName {
+  const PairNames& names;
+  int64_t index;
+};
+
+std::ostream& operator<<(std::ostream& out, const EmaName& name) {
+  const auto tensors = static_cast<int64_t>(name.names.tensors);
+  if (tensors == 0) {
+    return out << "ema[" << name.index << "]";
+  }
+  return out << "emas[" << name.index / tensors << "][" << name.index % tensors << "]";
+}
+
+std::ostream& operator<<(std::ostream& out, const SrcName& name) {
+  const auto tensors = static_cast<int64_t>(name.names.tensors);
+  return out << "src[" << (tensors == 0 ? name.index : name.index % tensors) << "]";
+}
+
+std::ostream& operator<<(std::ostream& out, const PairName& name) {
+  if (name.names.tensors == 0) {
+    return out << "index " << name.index;
+  }
+  return out << EmaName{name.names, name.index};
+}
+
+// Whether two pairs share their src tensor (lerp_many_'s tracks share each src).
+bool same_src(const PairNames& names, int64_t a, int64_t b) {
+  const auto tensors = static_cast<int64_t>(names.tensors);
+  return tensors == 0 ? a == b : a % tensors == b % tensors;
+}
+
+void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairNames& names) {
+  const char* op = names.op;
+  const EmaName ema{names, i};
+  const SrcName src{names, i};
+  TORCH_CHECK(e.defined(), op, ema, " is an undefined tensor");
+  TORCH_CHECK(s.defined(), op, src, " is an undefined tensor");
+  TORCH_CHECK(s.device() == e.device(), op, src, " is on ", s.device(), " but ", ema, " is on ",
+              e.device(),
               "; each pair must share a device (move src to the EMA's device first, as "
               "fused_ema.ModelEma does)");
-  TORCH_CHECK_VALUE(e.layout() == c10::kStrided && s.layout() == c10::kStrided, kOp, "ema[", i,
-                    "] and src[", i, "] must be dense (strided) tensors, got layouts ", e.layout(),
-                    " and ", s.layout());
+  TORCH_CHECK_VALUE(e.layout() == c10::kStrided && s.layout() == c10::kStrided, op, ema, " and ",
+                    src, " must be dense (strided) tensors, got layouts ", e.layout(), " and ",
+                    s.layout());
   const auto et = e.scalar_type();
   const auto st = s.scalar_type();
-  TORCH_CHECK_VALUE(at::isFloatingType(et), kOp, "ema[", i, "] has dtype ", dtype_name(et),
+  TORCH_CHECK_VALUE(at::isFloatingType(et), op, ema, " has dtype ", dtype_name(et),
                     "; only floating-point tensors can be averaged");
-  TORCH_CHECK_VALUE(at::isFloatingType(st), kOp, "src[", i, "] has dtype ", dtype_name(st),
+  TORCH_CHECK_VALUE(at::isFloatingType(st), op, src, " has dtype ", dtype_name(st),
                     "; only floating-point tensors can be averaged");
-  TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), kOp, "unsupported dtype pair at index ", i,
-                    ": ema ", dtype_name(et), ", src ", dtype_name(st),
+  TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), op, "unsupported dtype pair at ",
+                    PairName{names, i}, ": ema ", dtype_name(et), ", src ", dtype_name(st),
                     "; supported (ema, src) pairs: ", supported_pairs_text());
-  TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), kOp, "src[", i, "] has shape ", s.sizes(),
-                    " but ema[", i, "] has shape ", e.sizes());
-  TORCH_CHECK(e.is_contiguous() || at::has_internal_overlap(e) != at::MemOverlap::Yes, kOp, "ema[",
-              i,
-              "] has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
+  TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), op, src, " has shape ", s.sizes(), " but ",
+                    ema, " has shape ", e.sizes());
+  TORCH_CHECK(e.is_contiguous() || at::has_internal_overlap(e) != at::MemOverlap::Yes, op, ema,
+              " has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
               "be updated in place");
-  TORCH_CHECK(!(e.requires_grad() && c10::GradMode::is_enabled()), kOp, "ema[", i,
-              "] requires grad and grad mode is on; the EMA update is not differentiable, so "
+  TORCH_CHECK(!(e.requires_grad() && c10::GradMode::is_enabled()), op, ema,
+              " requires grad and grad mode is on; the EMA update is not differentiable, so "
               "call it under torch.no_grad()");
-  TORCH_CHECK(!e.is_inference() || c10::InferenceMode::is_enabled(), kOp, "ema[", i,
-              "] is an inference tensor, which cannot be updated in place outside "
+  TORCH_CHECK(!e.is_inference() || c10::InferenceMode::is_enabled(), op, ema,
+              " is an inference tensor, which cannot be updated in place outside "
               "torch.inference_mode(); clone it first");
 }
 
@@ -135,7 +178,8 @@ void add_stand_in_pair(DevicePlan& plan, const at::Tensor& e, const at::Tensor& 
 
 // ema tensors must not share memory with each other, nor with any src (a src read after another
 // pair wrote it would make the result depend on thread timing).
-void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
+void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs,
+                   const PairNames& names) {
   const auto by_lo = [](const Interval& a, const Interval& b) { return a.lo < b.lo; };
   if (!std::is_sorted(emas.begin(), emas.end(), by_lo)) {
     std::sort(emas.begin(), emas.end(), by_lo);
@@ -143,8 +187,9 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
   for (size_t k = 1; k < emas.size(); ++k) {
     const Interval& a = emas[k - 1];
     const Interval& b = emas[k];
-    TORCH_CHECK(b.lo >= a.hi, kOp, "ema[", std::min(a.index, b.index), "] and ema[",
-                std::max(a.index, b.index), "] share memory; every EMA tensor must own its memory");
+    TORCH_CHECK(b.lo >= a.hi, names.op, EmaName{names, std::min(a.index, b.index)}, " and ",
+                EmaName{names, std::max(a.index, b.index)},
+                " share memory; every EMA tensor must own its memory");
   }
   if (!std::is_sorted(srcs.begin(), srcs.end(), by_lo)) {
     std::sort(srcs.begin(), srcs.end(), by_lo);
@@ -156,10 +201,10 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
     }
     if (k < emas.size() && emas[k].lo < s.hi) {
       const int64_t j = emas[k].index;
-      TORCH_CHECK(j != s.index, kOp, "src[", s.index, "] aliases ema[", j,
-                  "] (they share memory); src must be a different tensor");
-      TORCH_CHECK(false, kOp, "src[", s.index, "] shares memory with ema[", j,
-                  "]; the update would read values it is writing");
+      TORCH_CHECK(!same_src(names, j, s.index), names.op, SrcName{names, s.index}, " aliases ",
+                  EmaName{names, j}, " (they share memory); src must be a different tensor");
+      TORCH_CHECK(false, names.op, SrcName{names, s.index}, " shares memory with ",
+                  EmaName{names, j}, "; the update would read values it is writing");
     }
   }
 }
@@ -167,7 +212,8 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
 // The same lists come back every training step (ModelEma, optimizer-style loops). Checking them
 // means sorting their address ranges; a thread remembers the last ranges it found free of overlap
 // and skips the sort when the new ones are identical, compared exactly.
-void check_overlap_once(std::vector<Interval>& emas, std::vector<Interval>& srcs) {
+void check_overlap_once(std::vector<Interval>& emas, std::vector<Interval>& srcs,
+                        const PairNames& names) {
   thread_local std::vector<Interval> last_emas;
   thread_local std::vector<Interval> last_srcs;
   if (emas == last_emas && srcs == last_srcs) {
@@ -176,7 +222,7 @@ void check_overlap_once(std::vector<Interval>& emas, std::vector<Interval>& srcs
   last_emas = emas;
   last_srcs = srcs;
   try {
-    check_overlap(emas, srcs);
+    check_overlap(emas, srcs, names);
   } catch (...) {
     last_emas.clear();
     last_srcs.clear();
@@ -204,8 +250,10 @@ void DevicePlan::write_back() const {
   }
 }
 
-LerpPlanner::LerpPlanner(size_t count, bool row_major) : count_(count), row_major_(row_major) {
-  TORCH_CHECK_VALUE(count <= UINT32_MAX, kOp, "at most ", UINT32_MAX, " tensors per call, got ",
+LerpPlanner::LerpPlanner(size_t count, bool row_major, PairNames names)
+    : count_(count), row_major_(row_major), names_(names) {
+  TORCH_CHECK_VALUE(count <= UINT32_MAX, names.op, "at most ", UINT32_MAX,
+                    names.tensors == 0 ? " tensors" : " (ema, src) pairs", " per call, got ",
                     count);
   bumped_.vec.resize(count);
 }
@@ -238,11 +286,11 @@ LerpPlanner::DeviceWork& LerpPlanner::work_for(c10::Device device) {
   return work_[current_];
 }
 
-void LerpPlanner::add(const at::Tensor& e, const at::Tensor& s) {
-  TORCH_INTERNAL_ASSERT(next_ < count_);
-  const size_t i = next_++;
+void LerpPlanner::add(const at::Tensor& e, const at::Tensor& s, size_t i) {
+  TORCH_INTERNAL_ASSERT(next_ < count_ && i < count_);
+  ++next_;
   const auto index = static_cast<int64_t>(i);
-  check_pair(e, s, index);
+  check_pair(e, s, index, names_);
   bumped_.vec[i] = e.unsafeGetTensorImpl();
   DeviceWork& w = work_for(e.device());
   const int64_t n = e.numel();
@@ -254,7 +302,10 @@ void LerpPlanner::add(const at::Tensor& e, const at::Tensor& s) {
   void* e_data = e.mutable_data_ptr();
   const void* s_data = s.const_data_ptr();
   w.ema_ranges.push_back(memory_interval(e, e_data, e_contiguous, index));
-  w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
+  if (names_.tensors == 0 || i < names_.tensors) {
+    // lerp_many_'s tracks share each src (and its device): its range once, with track 0's pair.
+    w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
+  }
   if (dense_pair(e, s, e_contiguous, s_contiguous) && (e_contiguous || !row_major_)) {
     // Written in place (sized for every pair up front): push_back was an out-of-line call.
     FlatPair& pair = w.plan.pairs[w.pair_count++];
@@ -272,7 +323,7 @@ std::vector<DevicePlan> LerpPlanner::finish(PlanCheck check) {
   TORCH_INTERNAL_ASSERT(next_ == count_);
   for (DeviceWork& w : work_) {
     w.plan.pairs.resize(w.pair_count);
-    check_overlap_once(w.ema_ranges, w.src_ranges);
+    check_overlap_once(w.ema_ranges, w.src_ranges, names_);
   }
   for (const DeviceWork& w : work_) {
     check(w.plan);
@@ -302,6 +353,27 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
       prefetch_ahead(src, i);
     }
     planner.add(*ema[i], *src[i]);
+  }
+  return planner.finish(check);
+}
+
+std::vector<DevicePlan> plan_lerp_many(TensorRefs emas, TensorRefs src, bool row_major,
+                                       PlanCheck check) {
+  const size_t tensors = src.size();
+  const size_t tracks = tensors == 0 ? 0 : emas.size() / tensors;
+  TORCH_INTERNAL_ASSERT(tracks * tensors == emas.size());
+  LerpPlanner planner(emas.size(), row_major, {"fused_ema.lerp_many_: ", tensors});
+  const bool far = tensors >= kPrefetchFrom;
+  for (size_t i = 0; i < tensors; ++i) {
+    if (far) {
+      prefetch_ahead(src, i);
+    }
+    for (size_t k = 0; k < tracks; ++k) {
+      if (far) {
+        prefetch_ahead(emas.slice(k * tensors, tensors), i);
+      }
+      planner.add(*emas[k * tensors + i], *src[i], k * tensors + i);
+    }
   }
   return planner.finish(check);
 }

@@ -111,6 +111,13 @@ struct Interval {
 // A check of a finished plan that may still refuse the call (throws).
 using PlanCheck = c10::function_ref<void(const DevicePlan&)>;
 
+// How errors name a pair's tensors: lerp_'s ema[i] and src[i], or, for lerp_many_'s pairs (track
+// k's tensor i at index k * tensors + i), emas[k][i] and src[i].
+struct PairNames {
+  const char* op = "fused_ema.lerp_: ";
+  size_t tensors = 0;  // 0: lerp_'s lists
+};
+
 // Checks (ema, src) pairs one at a time and flattens them into per-device plans; nothing is
 // written until finish(). One object serves the dispatcher's lists (plan_lerp) and the Python
 // fast path, which feeds it while unpacking its lists so that each tensor's metadata is fetched
@@ -119,14 +126,16 @@ class LerpPlanner {
  public:
   // row_major: every span lists its ema's elements in row-major order (lerp_stochastic_ numbers
   // them), so a non-contiguous ema is computed in a contiguous stand-in and written back.
-  LerpPlanner(size_t count, bool row_major);
+  LerpPlanner(size_t count, bool row_major, PairNames names = {});
   LerpPlanner(const LerpPlanner&) = delete;
   LerpPlanner& operator=(const LerpPlanner&) = delete;
   ~LerpPlanner();
 
   // Validates devices, layouts, dtype pair, shapes and autograd state of the next pair, naming
   // its index if one is wrong.
-  void add(const at::Tensor& e, const at::Tensor& s);
+  void add(const at::Tensor& e, const at::Tensor& s) { add(e, s, next_); }
+  // The same for the pair at `index` (< count, each index once; plans keep the order of adds).
+  void add(const at::Tensor& e, const at::Tensor& s, size_t index);
 
   // Checks memory overlap and calls `check` on each device's plan (the caller's checks that need
   // the devices: a kernel for it, the weight's device); then, every check passed, makes the
@@ -156,6 +165,7 @@ class LerpPlanner {
   size_t count_;
   size_t next_ = 0;
   bool row_major_;
+  PairNames names_;
   std::vector<DeviceWork> work_;
   size_t current_ = 0;
   // The first device's buffers and the EMAs whose versions move come from per-thread pools.
@@ -166,5 +176,12 @@ class LerpPlanner {
 
 // The planner over two lists (the dispatcher's route), prefetching the metadata of long lists.
 std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major, PlanCheck check);
+
+// The planner over lerp_many_'s pairs: `emas` holds the tracks one after another (track k's
+// tensor i at k * src.size() + i), each as long as src. Pairs are added tensor by tensor, every
+// track of a tensor in turn, so that each plan lists the pairs of one src together, tracks in
+// order (until its stand-ins, which come last).
+std::vector<DevicePlan> plan_lerp_many(TensorRefs emas, TensorRefs src, bool row_major,
+                                       PlanCheck check);
 
 }  // namespace fused_ema

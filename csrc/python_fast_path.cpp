@@ -1,4 +1,5 @@
-// fused_ema._C._lerp_eager: runs the lerp driver straight from Python lists of plain tensors.
+// fused_ema._C._lerp_eager and _lerp_many_eager: run the lerp and lerp_many drivers straight from
+// Python lists of plain tensors.
 // The dispatcher's boxed call copies every tensor into IValues and back (reference counts and
 // PyObject bookkeeping, ~0.4 us a tensor: most of the cost of a 20,000-tensor update). This
 // path declines, returning False, whenever the dispatcher has work to do: tensor subclasses,
@@ -15,6 +16,7 @@
 #include <optional>
 #include <vector>
 
+#include "lerp_many.h"
 #include "lerp_op.h"
 #include "lerp_plan.h"
 
@@ -81,6 +83,30 @@ class OwnedItems {
 bool all_plain(PyObject* const* ema, PyObject* const* src, size_t begin, size_t n) {
   for (size_t i = begin; i < n; ++i) {
     if (!plain_tensor(ema[i]) || !plain_tensor(src[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// K Python numbers (floats, or ints that are not bools) as doubles; false where an item is not.
+bool host_weights(PyObject* list, size_t tracks, std::vector<double>& values) {
+  if (!(PyList_Check(list) || PyTuple_Check(list)) ||
+      static_cast<size_t>(PySequence_Fast_GET_SIZE(list)) != tracks) {
+    return false;
+  }
+  PyObject* const* items = PySequence_Fast_ITEMS(list);
+  values.resize(tracks);
+  for (size_t k = 0; k < tracks; ++k) {
+    if (PyFloat_Check(items[k])) {
+      values[k] = PyFloat_AS_DOUBLE(items[k]);
+    } else if (PyLong_Check(items[k]) && !PyBool_Check(items[k])) {
+      values[k] = PyLong_AsDouble(items[k]);
+      if (values[k] == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+    } else {
       return false;
     }
   }
@@ -159,6 +185,87 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
     pybind11::gil_scoped_release no_gil;
     run_plans(planner.finish([&](const DevicePlan& plan) { check_runnable(plan, checked); }),
               checked);
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// As python_lerp_eager, over K lists of N EMA tensors and one list of N sources, planned tensor by
+// tensor (each src, then its EMAs of every track) as plan_lerp_many plans the dispatcher's lists.
+PyObject* python_lerp_many_eager(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* emas_list = nullptr;
+  PyObject* src_list = nullptr;
+  PyObject* weights = nullptr;
+  if (!PyArg_ParseTuple(args, "OOO", &emas_list, &src_list, &weights)) {
+    return nullptr;
+  }
+  if (!PyList_Check(emas_list) || !PyList_Check(src_list) || PyList_GET_SIZE(emas_list) == 0 ||
+      !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() ||
+      at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_FALSE;
+  }
+  const auto tracks = static_cast<size_t>(PyList_GET_SIZE(emas_list));
+  const auto n = static_cast<size_t>(PyList_GET_SIZE(src_list));
+  std::vector<PyObject* const*> emas(tracks);
+  for (size_t k = 0; k < tracks; ++k) {
+    PyObject* track = PyList_GET_ITEM(emas_list, k);
+    if (!PyList_Check(track) || static_cast<size_t>(PyList_GET_SIZE(track)) != n) {
+      Py_RETURN_FALSE;
+    }
+    emas[k] = PySequence_Fast_ITEMS(track);
+  }
+  std::vector<double> values;
+  const bool numbers = host_weights(weights, tracks, values);
+  if (!numbers && !plain_tensor(weights)) {
+    Py_RETURN_FALSE;
+  }
+  PyObject* const* src = PySequence_Fast_ITEMS(src_list);
+  OwnedItems owned;
+  owned.reserve((tracks + 1) * n);
+  LerpPlanner planner(tracks * n, /*row_major=*/false, {"fused_ema.lerp_many_: ", n});
+  const bool far = n >= kPrefetchFrom;
+  // A refused pair waits for the rest to be known plain and the weights checked (see above).
+  std::exception_ptr refused;
+  for (size_t i = 0; i < n && !refused; ++i) {
+    if (far) {
+      prefetch_ahead(src, i, n);
+    }
+    owned.take(src[i]);
+    if (!plain_tensor(src[i])) {
+      Py_RETURN_FALSE;
+    }
+    for (size_t k = 0; k < tracks; ++k) {
+      if (far) {
+        prefetch_ahead(emas[k], i, n);
+      }
+      owned.take(emas[k][i]);
+      if (!plain_tensor(emas[k][i])) {
+        Py_RETURN_FALSE;
+      }
+      try {
+        planner.add(THPVariable_Unpack(emas[k][i]), THPVariable_Unpack(src[i]), k * n + i);
+      } catch (const c10::Error&) {
+        for (size_t rest = 0; rest < tracks; ++rest) {
+          if (!all_plain(emas[rest], src, i + 1, n) || !plain_tensor(emas[rest][i])) {
+            Py_RETURN_FALSE;
+          }
+        }
+        refused = std::current_exception();
+        break;
+      }
+    }
+  }
+  const TrackWeights checked = numbers ? checked_track_weights(std::move(values))
+                                       : checked_track_weights(THPVariable_Unpack(weights), tracks);
+  if (refused) {
+    std::rethrow_exception(refused);
+  }
+  {
+    pybind11::gil_scoped_release no_gil;
+    run_track_plans(
+        planner.finish([&](const DevicePlan& plan) { check_tracks_runnable(plan, checked); }), n,
+        checked);
   }
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS

@@ -2,6 +2,7 @@
 
 fused_ema.lerp_(ema_tensors, src_tensors, weight)   # ema[i] += weight * (src[i] - ema[i])
 fused_ema.lerp_stochastic_(ema, src, weight, seed=0, step=t)   # bf16/fp16 EMAs: stochastic rounding
+fused_ema.lerp_many_([ema_a, ema_b], src, [w_a, w_b])   # K EMAs, each src read once
 fused_ema.build_info()                              # what was compiled, and for what
 """
 
@@ -14,6 +15,7 @@ from .ops import (
     build_info,
     cpu_isa,
     lerp_,
+    lerp_many_,
     lerp_stochastic_,
     set_cpu_isa,
 )
@@ -29,6 +31,7 @@ __all__ = [
     "build_info",
     "cpu_isa",
     "lerp_",
+    "lerp_many_",
     "lerp_stochastic_",
     "set_cpu_isa",
 ]

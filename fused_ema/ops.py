@@ -91,10 +91,7 @@ def lerp_stochastic_(
         raise TypeError(f"{_SR_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     if not isinstance(weight, torch.Tensor):
         weight = torch.tensor(float(weight), dtype=torch.float64)
-    if isinstance(step, bool) or not isinstance(step, (int, torch.Tensor)):
-        raise TypeError(f"{_SR_OP}step must be an int or a 0-dim int64 tensor, got {_type(step)}")
-    if not isinstance(step, torch.Tensor):
-        step = torch.tensor(_as_int64(step, "step"), dtype=torch.int64)
+    step = _stochastic_step(step, _SR_OP)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{_SR_OP}seed must be an int, got {_type(seed)}")
     # Lists go to the op as they are (its schema checks every item in C++): a ModelEma update
@@ -111,14 +108,145 @@ def lerp_stochastic_(
     )
 
 
+_MANY_OP = "fused_ema.lerp_many_: "
+
+
+def lerp_many_(
+    emas: Sequence[Sequence[torch.Tensor]],
+    src: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    *,
+    seed: int | Sequence[int] | None = None,
+    step: int | torch.Tensor | None = None,
+    keys: Sequence[Sequence[int]] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> None:
+    """K EMAs of one model in one call: in place, for every track k and every i,
+    ``emas[k][i] += weights[k] * (src[i] - emas[k][i])``, with each ``src[i]`` read once.
+
+    ``emas`` holds K >= 1 tensor lists, each aligned with ``src`` as ``lerp_``'s ``ema_tensors``
+    (any supported dtype pair, device, layout); ``weights`` holds one weight per track: K floats,
+    or a 1-D float32/float64 tensor of K elements on the EMAs' device or the CPU (read by the
+    kernel: no host sync, capturable in a CUDA graph). Track k ends bit for bit as
+    ``lerp_(emas[k], src, weights[k])`` would leave it; a track whose weight is 0 is left as it
+    is, untouched. EMAs of different tracks must not share memory, with each other or any src.
+
+    With ``seed``, bfloat16/float16 EMAs are rounded stochastically: track k ends bit for bit as
+    ``lerp_stochastic_(emas[k], src, weights[k], seed=seeds[k], step=step, keys=keys[k],
+    offsets=offsets)``. ``seed`` is one int for every track or K ints, one per track; ``step`` an
+    int or a one-element int64 tensor; ``keys`` K lists of N 32-bit ints, by default
+    ``keys[k][i] = k * N + i`` (N = len(src)), so that every EMA tensor of every track has a
+    random stream of its own under one seed (track 0's keys are ``lerp_stochastic_``'s default);
+    ``offsets`` one list of N ints shared by the tracks (default 0; a DTensor adds its shard's
+    start, as in ``lerp_stochastic_``). Bad input raises before anything is written.
+    """
+    src = _tensor_list(src, "src", _MANY_OP)
+    tracks = _track_lists(emas, len(src))
+    weights = _track_weights(weights, len(tracks))
+    if seed is None:
+        if step is not None or keys is not None or offsets is not None:
+            raise TypeError(f"{_MANY_OP}step, keys and offsets go with seed (stochastic rounding)")
+        # As lerp_: plain tensors skip the dispatcher's boxing, K * N + N tensors of it here.
+        if not _is_compiling() and _C._lerp_many_eager(tracks, src, weights):
+            return
+    else:
+        step = _stochastic_step(step, _MANY_OP)
+        seeds = _track_seeds(seed, len(tracks))
+        keys = _track_keys(keys, len(tracks), len(src))
+        offsets = [0] * len(src) if offsets is None else _int_list(offsets)
+    if any(any_dtensor(track) for track in tracks) or any_dtensor(src):
+        if seed is not None and len(offsets) == len(src):
+            offsets = [o + shard_offset(e, i) for i, (o, e) in enumerate(zip(offsets, tracks[0]))]
+        shards = [shard_lists(track, src) for track in tracks]
+        tracks, src = [track for track, _ in shards], shards[0][1]
+    flat = [t for track in tracks for t in track]
+    if not isinstance(weights, torch.Tensor):
+        weights = torch.tensor(weights, dtype=torch.float64)
+    if seed is None:
+        torch.ops.fused_ema.lerp_many_(flat, src, weights)
+    else:
+        torch.ops.fused_ema.lerp_many_stochastic_(flat, src, weights, step, seeds, keys, offsets)
+
+
+def _track_lists(emas, count: int) -> list:
+    """emas as K >= 1 lists of `count` tensors each."""
+    if isinstance(emas, torch.Tensor):
+        raise TypeError(f"{_MANY_OP}emas must be a sequence of K tensor lists, got {_type(emas)}")
+    tracks = [_tensor_list(track, f"emas[{k}]", _MANY_OP) for k, track in enumerate(emas)]
+    if not tracks:
+        raise ValueError(f"{_MANY_OP}emas holds no track; pass K >= 1 lists of EMA tensors")
+    for k, track in enumerate(tracks):
+        if len(track) != count:
+            raise ValueError(f"{_MANY_OP}emas[{k}] has {len(track)} tensors but src has {count}")
+    return tracks
+
+
+def _track_weights(weights, count: int):
+    """K numbers as a list, or a tensor of K elements as it is (C++ checks the rest)."""
+    if isinstance(weights, torch.Tensor):
+        if weights.dim() == 1 and weights.numel() != count:
+            raise ValueError(
+                f"{_MANY_OP}weights has {weights.numel()} elements but emas has {count} tracks"
+            )
+        return weights
+    if not isinstance(weights, (list, tuple)):
+        raise TypeError(
+            f"{_MANY_OP}weights must be a list of K floats or a 1-D tensor, got {_type(weights)}"
+        )
+    if len(weights) != count:
+        raise ValueError(
+            f"{_MANY_OP}weights has {len(weights)} entries but emas has {count} tracks"
+        )
+    for k, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (float, int)):
+            raise TypeError(f"{_MANY_OP}weights[{k}] must be a float, got {_type(w)}")
+    return list(weights)
+
+
+def _track_seeds(seed, count: int) -> list:
+    """One int for every track, or one per track, as int64s."""
+    seeds = [seed] * count if isinstance(seed, int) else seed
+    if not isinstance(seeds, Sequence) or isinstance(seeds, str):
+        raise TypeError(f"{_MANY_OP}seed must be an int or K ints, got {_type(seed)}")
+    if len(seeds) != count:
+        raise ValueError(f"{_MANY_OP}seed has {len(seeds)} entries but emas has {count} tracks")
+    for k, s in enumerate(seeds):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{_MANY_OP}seed[{k}] must be an int, got {_type(s)}")
+    return [_as_int64(s, "seed", _MANY_OP) for s in seeds]
+
+
+def _track_keys(keys, count: int, tensors: int) -> list:
+    """K lists of N keys as one list, track after track (default: k * N + i)."""
+    if keys is None:
+        return list(range(count * tensors))
+    if len(keys) != count:
+        raise ValueError(f"{_MANY_OP}keys has {len(keys)} lists but emas has {count} tracks")
+    flat = []
+    for k, row in enumerate(keys):
+        if len(row) != tensors:
+            raise ValueError(f"{_MANY_OP}keys[{k}] has {len(row)} keys but src has {tensors}")
+        flat += _int_list(row)
+    return flat
+
+
+def _stochastic_step(step, op: str) -> torch.Tensor:
+    """lerp_stochastic_'s step: an int (as an int64 tensor) or a tensor as it is."""
+    if isinstance(step, bool) or not isinstance(step, (int, torch.Tensor)):
+        raise TypeError(f"{op}step must be an int or a 0-dim int64 tensor, got {_type(step)}")
+    if not isinstance(step, torch.Tensor):
+        step = torch.tensor(_as_int64(step, "step", op), dtype=torch.int64)
+    return step
+
+
 def _int_list(values) -> list:
     return values if isinstance(values, list) else [int(v) for v in values]
 
 
-def _as_int64(value: int, name: str) -> int:
+def _as_int64(value: int, name: str, op: str = _SR_OP) -> int:
     """A 64-bit value given as a signed or unsigned int, as the int64 with the same bits."""
     if not _INT64_MIN <= value < _INT64_RANGE:
-        raise ValueError(f"{_SR_OP}{name} must fit in 64 bits, got {value}")
+        raise ValueError(f"{op}{name} must fit in 64 bits, got {value}")
     return value - _INT64_RANGE if value > -_INT64_MIN - 1 else value
 
 
@@ -126,9 +254,11 @@ def _type(value) -> str:
     return type(value).__name__
 
 
-def _tensor_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+def _tensor_list(
+    tensors: Sequence[torch.Tensor], name: str, op: str = "fused_ema.lerp_: "
+) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
-        raise TypeError(f"fused_ema.lerp_: {name} must be a sequence of tensors, not a tensor")
+        raise TypeError(f"{op}{name} must be a sequence of tensors, not a tensor")
     tensors = tensors if isinstance(tensors, list) else list(tensors)
     return tensors
 
@@ -169,6 +299,53 @@ def _lerp_stochastic_fake(ema, src, weight, step, seed, keys, offsets) -> None:
                 f"{_SR_OP}{name} has {len(values)} entries but ema has {len(ema)} tensors"
             )
     _refuse_meta(_SR_OP, [weight, step])
+
+
+@torch.library.register_fake("fused_ema::lerp_many_")
+def _lerp_many_fake(emas, src, weights) -> None:
+    """The metadata checks of csrc/lerp_many.cpp, with the same messages."""
+    _check_tracks_fake(emas, src, weights)
+
+
+@torch.library.register_fake("fused_ema::lerp_many_stochastic_")
+def _lerp_many_stochastic_fake(emas, src, weights, step, seeds, keys, offsets) -> None:
+    tracks = _check_tracks_fake(emas, src, weights)
+    if step.numel() != 1 or step.dim() > 1 or step.dtype != torch.int64:
+        raise ValueError(
+            f"{_MANY_OP}step must be one int64 element (a 0-dim tensor), got {_dtype_name(step)} "
+            f"of shape {list(step.shape)}"
+        )
+    emas_text = f"emas has {len(emas)} tensors (one key per EMA tensor, track k's tensor i at "
+    for name, values, count, expected in (
+        ("seeds", seeds, tracks, f"there are {tracks} tracks (one seed per track)"),
+        ("keys", keys, len(emas), emas_text + "k * len(src) + i)"),
+        ("offsets", offsets, len(src), f"src has {len(src)} tensors"),
+    ):
+        if len(values) != count:
+            raise ValueError(f"{_MANY_OP}{name} has {len(values)} entries but {expected}")
+    _refuse_meta(_MANY_OP, [step])
+
+
+def _check_tracks_fake(emas, src, weights) -> int:
+    """lerp_many_'s checks of the weights and of every (EMA, src) pair; returns K."""
+    if weights.dim() != 1 or weights.numel() < 1:
+        raise ValueError(
+            f"{_MANY_OP}weights must be a 1-D tensor of one weight per track (at least one), got "
+            f"shape {list(weights.shape)}"
+        )
+    tracks = weights.numel()
+    if len(emas) != tracks * len(src):
+        raise ValueError(
+            f"{_MANY_OP}emas has {len(emas)} tensors but {tracks} weights of {len(src)} src "
+            f"tensors need {tracks * len(src)} (track k's tensor i at k * len(src) + i)"
+        )
+    if weights.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"{_MANY_OP}weights must be float32 or float64, got {_dtype_name(weights)}"
+        )
+    _check_fake(emas, src, _MANY_OP, tensors=len(src))
+    _refuse_meta(_MANY_OP, [weights])
+    return tracks
 
 
 @torch.library.register_fake("fused_ema::ema_schedule_")
@@ -219,26 +396,29 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).split(".")[-1]
 
 
-def _check_fake(ema: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """The metadata half of the C++ checks, so traced programs fail where eager ones would."""
-    if len(ema) != len(src):
-        raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
-    for i, (e, s) in enumerate(zip(ema, src)):
-        if e.device != s.device:
-            raise RuntimeError(
-                f"fused_ema.lerp_: src[{i}] is on {s.device} but ema[{i}] is on {e.device}"
-            )
-        if (e.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
-            raise ValueError(
-                f"fused_ema.lerp_: unsupported dtype pair at index {i}: ema {e.dtype}, "
-                f"src {s.dtype}"
-            )
-        if e.shape != s.shape:
-            raise ValueError(
-                f"fused_ema.lerp_: src[{i}] has shape {list(s.shape)} but ema[{i}] has shape "
-                f"{list(e.shape)}"
-            )
-    _refuse_meta("fused_ema.lerp_: ", ema)
+def _check_fake(ema: list, src: list, op: str = "fused_ema.lerp_: ", tensors: int = 0) -> None:
+    """The metadata half of the C++ checks, so traced programs fail where eager ones would. With
+    `tensors` (lerp_many_'s N), `ema` holds tracks of N tensors one after another, checked tensor
+    by tensor as csrc/lerp_plan.cpp plans them."""
+    if not tensors and len(ema) != len(src):
+        raise ValueError(f"{op}ema has {len(ema)} tensors but src has {len(src)}")
+    tracks = len(ema) // tensors if tensors else 1
+    for i, s in enumerate(src):
+        for k in range(tracks):
+            e = ema[k * tensors + i]
+            name = f"emas[{k}][{i}]" if tensors else f"ema[{i}]"
+            if e.device != s.device:
+                raise RuntimeError(f"{op}src[{i}] is on {s.device} but {name} is on {e.device}")
+            if (e.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
+                where = name if tensors else f"index {i}"
+                raise ValueError(
+                    f"{op}unsupported dtype pair at {where}: ema {e.dtype}, src {s.dtype}"
+                )
+            if e.shape != s.shape:
+                raise ValueError(
+                    f"{op}src[{i}] has shape {list(s.shape)} but {name} has shape {list(e.shape)}"
+                )
+    _refuse_meta(op, ema)
 
 
 def build_info() -> dict:

@@ -88,12 +88,16 @@ def lerp_kernels(report, arch):
 
 
 def all_kernels(report, arch):
-    """The plain and the stochastic-rounding lerp kernels."""
+    """The plain and the stochastic-rounding lerp kernels, lerp_'s and lerp_many_'s."""
     return {
         name: info
         for (a, name), info in report.items()
-        if a == arch and ("LerpOp" in name or "LerpStochasticOp" in name)
+        if a == arch and any(op in name for op in ("LerpOp", "LerpStochasticOp", "LerpMany"))
     }
+
+
+def many_kernels(report, arch, op):
+    return [name for (a, name) in report if a == arch and f"{len(op)}{op}I" in name]
 
 
 def occupancy(registers, threads):
@@ -151,6 +155,10 @@ def test_kernels_reach_half_occupancy_without_spills(arch):
     kernels = all_kernels(compile_kernels((arch,)), arch)
     assert len(lerp_kernels(compile_kernels((arch,)), arch)) == 2 * PAIRS, sorted(kernels)
     assert len(kernels) > 2 * PAIRS, "the stochastic-rounding kernels were not compiled"
+    # lerp_many_'s multi_track_kernel: every pair in both layouts; stochastic rounding's for the
+    # four pairs with 16-bit EMAs.
+    assert len(many_kernels(compile_kernels((arch,)), arch, "LerpManyOp")) == 2 * PAIRS
+    assert len(many_kernels(compile_kernels((arch,)), arch, "LerpManyStochasticOp")) == 2 * 4
     threads = block_threads()
     names = demangle(list(kernels))
     table = {

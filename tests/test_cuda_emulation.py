@@ -68,7 +68,7 @@ def emu():
 
 @pytest.fixture(scope="session")
 def capacities(emu):
-    small, large, sr_small, sr_large = emu.capacities()
+    small, large, sr_small, sr_large = emu.capacities()[:4]
     return {
         (False, False): small,
         (False, True): large,
@@ -126,12 +126,13 @@ def edge_layout(pack, big_sizes=True):
     return layout
 
 
-def expected_counts(pair, ema, src, capacity):
-    """Launches and blocks multi_tensor_apply's packing makes (no launch near INT32_MAX blocks)."""
+def expected_counts(pair, ema, src, capacity, tracks=()):
+    """Launches and blocks multi_tensor_apply's packing makes (no launch near INT32_MAX blocks).
+    `tracks`: lerp_many_'s other tracks' EMA lists, which must share the head's alignment."""
     pack = pack_of(pair)
     blocks = 0
     tensors = 0
-    for e, s in zip(ema, src):
+    for i, (e, s) in enumerate(zip(ema, src)):
         n = e.numel()
         if n == 0:
             continue
@@ -140,11 +141,12 @@ def expected_counts(pair, ema, src, capacity):
             (
                 min(k, n)
                 for k in range(pack)
-                if (e.data_ptr() + k * e.element_size()) % 16 == 0
-                and (s.data_ptr() + k * s.element_size()) % 16 == 0
+                if all((t.data_ptr() + k * t.element_size()) % 16 == 0 for t in [e, s])
             ),
             -1,
         )
+        if any(t[i].data_ptr() % 16 != e.data_ptr() % 16 for t in tracks):
+            head = -1
         if head < 0:
             blocks += -(-n // CHUNK)
         else:
@@ -371,3 +373,189 @@ def test_schedule_kernel_body_writes_weight_0_for_a_bad_config(emu):
     out = torch.ones(2, dtype=torch.float64)
     emu.schedule_(step, out, config, True)
     assert int(step) == 4 and out[0] == 0.0 and math.isnan(out[1])
+
+
+# lerp_many_: the tracks' EMAs lie in buffers of their own (views at the same sizes, misaligned
+# alike or each its own way) over one source list; every track must come out bit for bit as the
+# CPU kernel's lerp_ of that track alone.
+
+
+@pytest.fixture(scope="session")
+def many_capacities(emu):
+    small, large, sr_small, sr_large, tracks = emu.capacities()[4:]
+    return {
+        (False, False): small,
+        (False, True): large,
+        (True, False): sr_small,
+        (True, True): sr_large,
+        "tracks": tracks,
+    }
+
+
+class Tracks:
+    """K tracks over one source list: track k's EMAs are views of Lists(pairs[k], its layout),
+    its layout that of the sources with the EMA offsets moved by `shift * k` elements (mod the
+    pack: shift 0 keeps every track aligned alike, 1 gives each its own alignment)."""
+
+    def __init__(self, pairs, layout, seed, shift=0):
+        pack = pack_of(pairs[0])
+        self.tracks = [
+            Lists(pair, [(n, (e + shift * k) % pack, s) for n, e, s in layout], seed + k)
+            for k, pair in enumerate(pairs)
+        ]
+        self.src = self.tracks[0].src
+
+    def copy(self):
+        """Fresh copies of every track's buffer, and their views."""
+        copies = [t.copy() for t in self.tracks]
+        return [buf for buf, _ in copies], [views for _, views in copies]
+
+
+def run_many(emu, tracks, weights, large, weight_tensor=None, stochastic=None):
+    """(emulated buffers, launch counts), (buffers of K CPU lerp_ / lerp_stochastic_ calls)."""
+    emu_bufs, emu_views = tracks.copy()
+    flat = [v for views in emu_views for v in views]
+    if stochastic is None:
+        counts = emu.lerp_many_(flat, tracks.src, weights, weight_tensor, large)
+    else:
+        seeds, step, keys, offsets = stochastic
+        step_tensor = step if isinstance(step, torch.Tensor) else None
+        counts = emu.lerp_many_stochastic_(
+            flat,
+            tracks.src,
+            weights,
+            weight_tensor,
+            [as_int64(s) for s in seeds],
+            0 if step_tensor is not None else step,
+            step_tensor,
+            [key for row in keys for key in row],
+            offsets,
+            large,
+        )
+    cpu_bufs, cpu_views = tracks.copy()
+    for k, views in enumerate(cpu_views):
+        weight = weights[k] if weight_tensor is None else weight_tensor[k]
+        if stochastic is None:
+            fused_ema.lerp_(views, tracks.src, weight)
+        else:
+            fused_ema.lerp_stochastic_(
+                views, tracks.src, weight, seed=seeds[k], step=step, keys=keys[k], offsets=offsets
+            )
+    return emu_bufs, counts, cpu_bufs
+
+
+def assert_tracks_same_bits(got, want):
+    for k, (a, b) in enumerate(zip(got, want)):
+        same = a.view(BITS[a.element_size()]) == b.view(BITS[b.element_size()])
+        assert bool(same.all()), f"track {k}: {int((~same).sum())} of {a.numel()} elements differ"
+
+
+MANY_WEIGHTS = [0.3, 0.7, 1e-3, 0.5, 1.0, 0.25, 0.9999, 0.49999997, 1e-4, 0.6]
+
+
+@pytest.mark.parametrize("tracks", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_lerp_many_matches_lerp_per_track(emu, many_capacities, pair, layout, tracks):
+    """Every track aligned alike (the packed body); sizes around pack edges, and chunk edges for
+    K = 1 and 3; K = 9 takes a second round of launches for the ninth track."""
+    big = tracks in (1, 3)
+    lists = Tracks([pair] * tracks, edge_layout(pack_of(pair), big_sizes=big), seed=60 + tracks)
+    weights = MANY_WEIGHTS[:tracks]
+    emu_bufs, counts, cpu_bufs = run_many(emu, lists, weights, LAYOUTS[layout])
+    assert_tracks_same_bits(emu_bufs, cpu_bufs)
+    _, views = lists.tracks[0].copy()
+    capacity = many_capacities[False, LAYOUTS[layout]]
+    rounds = -(-tracks // many_capacities["tracks"])
+    launches, blocks = expected_counts(pair, views, lists.src, capacity)
+    assert counts == [rounds * launches, rounds * blocks]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_lerp_many_tracks_misaligned_each_their_own_way(emu, many_capacities, pair, layout):
+    """A tensor whose tracks' EMAs differ in alignment takes the element-wise path."""
+    lists = Tracks([pair] * 3, edge_layout(pack_of(pair)), seed=70, shift=1)
+    emu_bufs, counts, cpu_bufs = run_many(emu, lists, [0.3, 0.7, 0.1], LAYOUTS[layout])
+    assert_tracks_same_bits(emu_bufs, cpu_bufs)
+    views = [track.copy()[1] for track in lists.tracks]
+    capacity = many_capacities[False, LAYOUTS[layout]]
+    assert counts == expected_counts(pair, views[0], lists.src, capacity, views[1:])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float64], ids=str)
+def test_lerp_many_weights_read_through_a_device_pointer(emu, weight_dtype, layout):
+    """A 1-D weights tensor (strided, zeros among its values: such tracks skip every write)."""
+    for i, pair in enumerate(DTYPE_PAIRS):
+        layout_ = edge_layout(pack_of(pair), big_sizes=False)[::5]
+        lists = Tracks([pair] * 9, layout_, seed=80 + i, shift=i % 2)
+        values = [0.1, 0.0, 0.7, 0.5, 1e-3, 0.0, 0.9, 0.3, 0.6]
+        weights = torch.tensor([v for v in values for _ in range(2)], dtype=weight_dtype)[::2]
+        emu_bufs, _, cpu_bufs = run_many(emu, lists, [], LAYOUTS[layout], weights)
+        assert_tracks_same_bits(emu_bufs, cpu_bufs)
+
+
+def test_lerp_many_host_zero_weights_and_mixed_tracks(emu):
+    """Tracks of other EMA dtypes over one source (a launch per dtype pair and round) and host
+    weights of 0 (those tracks are left out of the launches)."""
+    ema_dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16]
+    pairs = [(e, torch.float32) for e in ema_dtypes] * 2
+    for large in (False, True):
+        lists = Tracks(pairs, edge_layout(8, big_sizes=False), seed=90)
+        weights = [0.3, 0.0, 0.7, 0.2, 0.9, 0.0, 0.4, 0.6, 1.0, 0.1]
+        emu_bufs, _, cpu_bufs = run_many(emu, lists, weights, large)
+        assert_tracks_same_bits(emu_bufs, cpu_bufs)
+        assert_same_bits(emu_bufs[1], lists.tracks[1].ema_buf)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("stochastic", [False, True], ids=["lerp", "stochastic"])
+def test_lerp_many_lists_that_need_many_launches(emu, many_capacities, stochastic, layout):
+    large = LAYOUTS[layout]
+    capacity = many_capacities[stochastic, large]
+    pair = (torch.bfloat16, torch.float32) if stochastic else (torch.float32, torch.bfloat16)
+    lists = Tracks([pair] * 3, small_list(2 * capacity + capacity // 2, seed=9), seed=9)
+    count = len(lists.src)
+    nonempty = sum(n > 0 for n, _, _ in lists.tracks[0].layout)
+    assert nonempty > 2 * capacity
+    sr = None
+    if stochastic:
+        sr = ([5, 6, 7], 11, [[k * count + i for i in range(count)] for k in range(3)], [0] * count)
+    emu_bufs, counts, cpu_bufs = run_many(emu, lists, [0.3, 0.2, 0.1], large, stochastic=sr)
+    assert_tracks_same_bits(emu_bufs, cpu_bufs)
+    assert counts == [math.ceil(nonempty / capacity), nonempty]
+
+
+@pytest.mark.parametrize("tracks", [1, 3, 9])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_lerp_many_stochastic_matches_lerp_stochastic_per_track(emu, pair, layout, tracks):
+    """Seeds per track, keys from names per track and tensor, shard offsets (some not a multiple
+    of 4); float32/float64 EMAs get the plain lerp."""
+    lists = Tracks([pair] * tracks, edge_layout(pack_of(pair), big_sizes=tracks == 3), seed=100)
+    count = len(lists.src)
+    keys = [
+        [stream_key(f"track{k}.blocks.{i}.weight") for i in range(count)] for k in range(tracks)
+    ]
+    shard_starts = [0, 1, 2, 3, 5, 4097, 2**33 + 3, 2**40]
+    offsets = [shard_starts[i % len(shard_starts)] for i in range(count)]
+    seeds = [2**64 - 5 - k for k in range(tracks)]
+    sr = (seeds, 2**40 + 3, keys, offsets)
+    emu_bufs, _, cpu_bufs = run_many(
+        emu, lists, MANY_WEIGHTS[:tracks], LAYOUTS[layout], stochastic=sr
+    )
+    assert_tracks_same_bits(emu_bufs, cpu_bufs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pair", SR_PAIRS, ids=pair_id)
+def test_lerp_many_stochastic_step_and_weights_through_device_pointers(emu, pair, layout):
+    lists = Tracks([pair] * 9, edge_layout(pack_of(pair), big_sizes=False)[::3], seed=110, shift=1)
+    count = len(lists.src)
+    keys = [[k * count + i for i in range(count)] for k in range(9)]
+    weights = torch.tensor([0.1, 0.0, 0.3, 0.9, 0.5, 0.2, 1e-3, 0.7, 0.4], dtype=torch.float32)
+    step = torch.tensor(2**35 + 1, dtype=torch.int64)
+    sr = (list(range(1, 10)), step, keys, [0] * count)
+    emu_bufs, _, cpu_bufs = run_many(emu, lists, [], LAYOUTS[layout], weights, stochastic=sr)
+    assert_tracks_same_bits(emu_bufs, cpu_bufs)

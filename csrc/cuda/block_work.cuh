@@ -37,6 +37,14 @@ int aligned_head(const TensorRef& ref) {
   return -1;
 }
 
+// Whether the other pointers an op's per-tensor data names share `first`'s 16-byte alignment
+// (lerp_many_'s other tracks overload this), so that aligned_head's head aligns them too; data
+// that names none always does.
+template <typename Extra>
+bool aligned_like(const Extra&, const void* /*first*/) {
+  return true;
+}
+
 template <int kPack>
 FUSED_EMA_HOST_DEVICE inline int64_t packs_in_body(int64_t numel, int head) {
   return (numel - head) / kPack;

@@ -1,6 +1,7 @@
-// CUDA kernel of fused_ema::lerp_: the torch glue around multi_tensor_apply. A device's pairs are
-// grouped by dtype pair and each group goes out in as few launches as the kernel-parameter
-// metadata allows, on the current stream of that device.
+// CUDA kernels of fused_ema::lerp_ and lerp_many_: the torch glue around multi_tensor_apply. A
+// device's pairs are grouped by dtype pair (lerp_many_'s also by rounds of tracks) and each group
+// goes out in as few launches as the kernel-parameter metadata allows, on the current stream of
+// that device.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,8 +10,10 @@
 #include <array>
 #include <vector>
 
+#include "../lerp_many.h"
 #include "../lerp_op.h"
 #include "lerp_functor.cuh"
+#include "lerp_many_functor.cuh"
 #include "pair_types.cuh"
 #include "stochastic_functor.cuh"
 
@@ -45,6 +48,38 @@ constexpr StochasticLauncherEntry kStochasticLaunchers[] = {
 #undef FUSED_EMA_SR_LAUNCHER
 static_assert(in_pair_kind_order(kStochasticLaunchers),
               "kStochasticLaunchers must follow PairKind order");
+
+using TracksLauncher = cudaError_t (*)(const TensorRef*, const TrackEmas*, int64_t,
+                                       const TrackWeightArgs&, cudaStream_t);
+
+struct TracksLauncherEntry {
+  PairKind kind;
+  TracksLauncher launch;
+};
+
+#define FUSED_EMA_TRACKS_LAUNCHER(kind, ema, src, ema_tag, src_tag) \
+  {PairKind::kind, &launch_lerp_many<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>},
+constexpr TracksLauncherEntry kTracksLaunchers[] = {
+    FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_TRACKS_LAUNCHER)};
+#undef FUSED_EMA_TRACKS_LAUNCHER
+static_assert(in_pair_kind_order(kTracksLaunchers), "kTracksLaunchers must follow PairKind order");
+
+using StochasticTracksLauncher = cudaError_t (*)(const TensorRef*, const SrTrackEmas*, int64_t,
+                                                 const TrackWeightArgs&, StepArg, const uint64_t*,
+                                                 cudaStream_t);
+
+struct StochasticTracksLauncherEntry {
+  PairKind kind;
+  StochasticTracksLauncher launch;
+};
+
+#define FUSED_EMA_SR_TRACKS_LAUNCHER(kind, ema, src, ema_tag, src_tag) \
+  {PairKind::kind, &launch_lerp_many_stochastic<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>},
+constexpr StochasticTracksLauncherEntry kStochasticTracksLaunchers[] = {
+    FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SR_TRACKS_LAUNCHER)};
+#undef FUSED_EMA_SR_TRACKS_LAUNCHER
+static_assert(in_pair_kind_order(kStochasticTracksLaunchers),
+              "kStochasticTracksLaunchers must follow PairKind order");
 
 WeightArg weight_arg(const LerpWeight& weight) {
   WeightArg arg{weight.value, nullptr, nullptr};
@@ -101,9 +136,65 @@ void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
   plan.write_back();
 }
 
+size_t track_count(const TrackWeights& weights) {
+  return weights.device_tensor != nullptr ? static_cast<size_t>(weights.device_tensor->numel())
+                                          : weights.values.size();
+}
+
+// The weights of tracks [first, first + kMaxTracks).
+TrackWeightArgs track_weight_args(const TrackWeights& weights, size_t first) {
+  const at::Tensor* t = weights.device_tensor;
+  if (t == nullptr) {
+    return round_weights(weights.values.data(), weights.values.size(), nullptr, nullptr, 0, first);
+  }
+  const bool f32 = t->scalar_type() == at::kFloat;
+  return round_weights(nullptr, 0, f32 ? t->const_data_ptr<float>() : nullptr,
+                       f32 ? nullptr : t->const_data_ptr<double>(), t->stride(0), first);
+}
+
+void run_tracks_plan(const DevicePlan& plan, size_t tensors, const TrackWeights& weights) {
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(plan.device.index()).stream();
+  C10_CUDA_CHECK(for_each_track_launch<TrackEmas>(
+      plan.pairs.data(), plan.pairs.size(), tensors, track_count(weights),
+      [](TrackEmas& extra, int slot, const FlatPair& pair) { extra.ema[slot] = pair.ema; },
+      [&](int kind, size_t first, const TensorRef* refs, const TrackEmas* extras, int64_t count) {
+        return kTracksLaunchers[kind].launch(refs, extras, count, track_weight_args(weights, first),
+                                             stream);
+      }));
+  plan.write_back();
+}
+
+void run_stochastic_tracks_plan(const DevicePlan& plan, size_t tensors, const TrackWeights& weights,
+                                const TrackRounding& rounding) {
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(plan.device.index()).stream();
+  const StepArg step{rounding.step, rounding.step_tensor != nullptr
+                                        ? rounding.step_tensor->const_data_ptr<int64_t>()
+                                        : nullptr};
+  const size_t tracks = track_count(weights);
+  C10_CUDA_CHECK(for_each_track_launch<SrTrackEmas>(
+      plan.pairs.data(), plan.pairs.size(), tensors, tracks,
+      [&](SrTrackEmas& extra, int slot, const FlatPair& pair) {
+        extra.emas.ema[slot] = pair.ema;
+        extra.key[slot] = static_cast<uint32_t>(rounding.keys[pair.index]);
+        extra.offset = static_cast<uint64_t>(rounding.offsets[pair.index % tensors]);
+      },
+      [&](int kind, size_t first, const TensorRef* refs, const SrTrackEmas* extras, int64_t count) {
+        const auto seeds = round_seeds(rounding.seeds.data(), tracks, first);
+        return kStochasticTracksLaunchers[kind].launch(
+            refs, extras, count, track_weight_args(weights, first), step, seeds.data(), stream);
+      }));
+  plan.write_back();
+}
+
 [[maybe_unused]] const bool kRegistered = register_device_runner(c10::DeviceType::CUDA, &run_plan);
 [[maybe_unused]] const bool kStochasticRegistered =
     register_stochastic_runner(c10::DeviceType::CUDA, &run_stochastic_plan);
+[[maybe_unused]] const bool kTracksRegistered =
+    register_tracks_runner(c10::DeviceType::CUDA, &run_tracks_plan);
+[[maybe_unused]] const bool kStochasticTracksRegistered =
+    register_stochastic_tracks_runner(c10::DeviceType::CUDA, &run_stochastic_tracks_plan);
 
 }  // namespace
 
@@ -127,6 +218,8 @@ TORCH_LIBRARY_IMPL(fused_ema, CUDA, m) {
   m.impl("lerp_", &lerp_op);
   m.impl("lerp_.Tensor", &lerp_op_tensor_weight);
   m.impl("lerp_stochastic_", &lerp_stochastic_op);
+  m.impl("lerp_many_", &lerp_many_op);
+  m.impl("lerp_many_stochastic_", &lerp_many_stochastic_op);
 }
 
 }  // namespace fused_ema::cuda

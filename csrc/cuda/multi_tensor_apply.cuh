@@ -1,6 +1,7 @@
 // Multi-tensor apply: one launch updates many tensors in place, in as few launches as the
 // device's kernel parameters allow. Parts: launch_meta.cuh (parameter layouts), block_work.cuh,
-// pack_launches.cuh (host), multi_tensor_kernel.cuh, launch_layout.cuh (4 or 32 KB, nvcc only).
+// pack_launches.cuh (host), multi_tensor_kernel.cuh (multi_track_kernel.cuh for ops with several
+// EMAs a source), launch_layout.cuh (4 or 32 KB, nvcc only).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,7 @@
 #include "block_work.cuh"
 #include "launch_meta.cuh"
 #include "multi_tensor_kernel.cuh"
+#include "multi_track_kernel.cuh"
 #include "pack_launches.cuh"
 #if defined(__CUDACC__)
 #include "launch_layout.cuh"
@@ -20,8 +22,12 @@ cudaError_t launch_packed(const TensorRef* refs, int64_t count, const Op& op, cu
   constexpr int kCapacity = op_capacity<Op, kParamBytes>();
   return pack_op_launches<Op, kParamBytes>(
       refs, count, extras, [&](const MetaOf<Op, kCapacity>& packed, int64_t blocks) {
-        multi_tensor_kernel<Op, kCapacity>
-            <<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(packed, op);
+        const auto grid = static_cast<unsigned>(blocks);
+        if constexpr (IsTrackOp<Op>::value) {
+          multi_track_kernel<Op, kCapacity><<<grid, kBlockThreads, 0, stream>>>(packed, op);
+        } else {
+          multi_tensor_kernel<Op, kCapacity><<<grid, kBlockThreads, 0, stream>>>(packed, op);
+        }
         return cudaGetLastError();
       });
 }

@@ -36,7 +36,12 @@ cudaError_t pack_launches(const TensorRef* refs, int64_t count, LaunchMeta<kCapa
     if (ref.numel == 0) {
       continue;
     }
-    const int head = aligned_head<E, S, kPack>(ref);
+    int head = aligned_head<E, S, kPack>(ref);
+    if constexpr (!std::is_void_v<Extra>) {
+      if (head >= 0 && !aligned_like(extras[i], ref.ema)) {
+        head = -1;
+      }
+    }
     const int64_t needed = blocks_for<kPack>(ref.numel, head);
     if (needed > INT32_MAX) {
       return cudaErrorInvalidValue;  // over 2^47 elements: no such tensor fits in memory

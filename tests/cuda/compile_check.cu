@@ -1,6 +1,7 @@
 // Instantiates every CUDA kernel of fused_ema without torch headers, so that tests can check the
 // device code compiles for each target architecture with plain nvcc (see test_cuda_compile.py).
 #include "cuda/lerp_functor.cuh"
+#include "cuda/lerp_many_functor.cuh"
 #include "cuda/pair_types.cuh"
 #include "cuda/stochastic_functor.cuh"
 
@@ -22,6 +23,19 @@ FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE)
       cudaStream_t);
 FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE_SR)
 #undef FUSED_EMA_INSTANTIATE_SR
+
+// lerp_many_'s launchers, plain and stochastic (multi_track_kernel).
+#define FUSED_EMA_INSTANTIATE_MANY(kind, ema, src, ema_tag, src_tag)                              \
+  template cudaError_t                                                                            \
+  fc::launch_lerp_many<fc::cuda_t<fused_ema::tag::ema_tag>, fc::cuda_t<fused_ema::tag::src_tag>>( \
+      const fc::TensorRef*, const fc::TrackEmas*, int64_t, const fc::TrackWeightArgs&,            \
+      cudaStream_t);                                                                              \
+  template cudaError_t fc::launch_lerp_many_stochastic<fc::cuda_t<fused_ema::tag::ema_tag>,       \
+                                                       fc::cuda_t<fused_ema::tag::src_tag>>(      \
+      const fc::TensorRef*, const fc::SrTrackEmas*, int64_t, const fc::TrackWeightArgs&,          \
+      fc::StepArg, const uint64_t*, cudaStream_t);
+FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE_MANY)
+#undef FUSED_EMA_INSTANTIATE_MANY
 
 // The schedule kernel's body is shared by host and device (cuda/schedule_step.cuh); the device
 // reads its config from memory, as csrc/cuda/schedule_cuda.cu does.

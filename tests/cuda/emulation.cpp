@@ -1,8 +1,9 @@
 // A test-only torch extension that runs fused_ema's CUDA device code on the CPU, compiled by a
 // plain C++ compiler (test_cuda_emulation.py builds it): torch.ops.fused_ema_emulation.lerp_,
-// lerp_stochastic_ (the kernels, packed as for the 4 KB or the 32 KB layout, every block and
-// thread run) and schedule_ (the schedule kernel's body). Arguments reach the kernels as
-// lerp_cuda.cu and schedule_cuda.cu pass them; tensor weights and steps are read through pointers.
+// lerp_stochastic_, lerp_many_, lerp_many_stochastic_ (the kernels, packed as for the 4 KB or
+// the 32 KB layout, every block and thread run) and schedule_ (the schedule kernel's body).
+// Arguments reach the kernels as lerp_cuda.cu and schedule_cuda.cu pass them (lerp_many_'s
+// through the same for_each_track_launch); tensor weights and steps are read through pointers.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "cuda/lerp_functor.cuh"
+#include "cuda/lerp_many_functor.cuh"
 #include "cuda/pair_types.cuh"
 #include "cuda/schedule_step.cuh"
 #include "cuda/stochastic_functor.cuh"
@@ -122,6 +124,142 @@ Counts lerp_stochastic_op(at::TensorList ema, at::TensorList src, double weight,
                                                 step_arg, static_cast<uint64_t>(seed), large);
 }
 
+// lerp_many_'s launches of one dtype pair, with launch_lerp_many_stochastic's choice.
+template <typename E, typename S>
+cudaError_t lerp_many(const TensorRef* refs, const TrackEmas* extras, int64_t count,
+                      const TrackWeightArgs& weights, bool large, LaunchCounts& counts) {
+  return multi_tensor_apply(refs, count, LerpManyOp<E, S>{weights}, large, counts, extras);
+}
+
+template <typename E, typename S>
+cudaError_t lerp_many_stochastic(const TensorRef* refs, const SrTrackEmas* extras, int64_t count,
+                                 const TrackWeightArgs& weights, StepArg step,
+                                 const uint64_t* seeds, bool large, LaunchCounts& counts) {
+  if constexpr (kRoundsStochastically<E>) {
+    LerpManyStochasticOp<E, S> op{weights, step, {}};
+    std::copy(seeds, seeds + kMaxTracks, op.seed);
+    return multi_tensor_apply(refs, count, op, large, counts, extras);
+  } else {
+    const std::vector<TrackEmas> emas = emas_of(extras, count);
+    return lerp_many<E, S>(refs, emas.data(), count, weights, large, counts);
+  }
+}
+
+using ManyFn = cudaError_t (*)(const TensorRef*, const TrackEmas*, int64_t, const TrackWeightArgs&,
+                               bool, LaunchCounts&);
+using ManyStochasticFn = cudaError_t (*)(const TensorRef*, const SrTrackEmas*, int64_t,
+                                         const TrackWeightArgs&, StepArg, const uint64_t*, bool,
+                                         LaunchCounts&);
+
+#define FUSED_EMA_EMULATED(kind, ema, src, ema_tag, src_tag) \
+  &lerp_many<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>,
+constexpr ManyFn kMany[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_EMULATED)};
+#undef FUSED_EMA_EMULATED
+#define FUSED_EMA_EMULATED(kind, ema, src, ema_tag, src_tag) \
+  &lerp_many_stochastic<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>,
+constexpr ManyStochasticFn kManyStochastic[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_EMULATED)};
+#undef FUSED_EMA_EMULATED
+
+// A pair of lerp_many_ as a device plan holds it (lerp_plan.h's FlatPair).
+struct TrackPair {
+  void* ema;
+  const void* src;
+  int64_t numel;
+  PairKind kind;
+  uint32_t index;  // track * tensors + tensor
+};
+
+// The pairs of K tracks (emas flattened track by track) as lerp_many's driver hands them to a
+// runner: tensor by tensor, tracks in order, empty tensors and tracks of a host weight 0 left out.
+std::vector<TrackPair> track_pairs(at::TensorList emas, at::TensorList src,
+                                   c10::ArrayRef<double> host_weights, size_t tracks) {
+  const size_t n = src.size();
+  TORCH_CHECK(tracks >= 1 && emas.size() == tracks * n, "K tracks of len(src) tensors");
+  std::vector<TrackPair> pairs;
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t k = 0; k < tracks; ++k) {
+      const at::Tensor& e = emas[k * n + i];
+      const std::optional<PairKind> kind = pair_kind(e.scalar_type(), src[i].scalar_type());
+      TORCH_CHECK(kind.has_value(), "unsupported dtype pair");
+      TORCH_CHECK(e.is_cpu() && src[i].is_cpu() && e.is_contiguous() && src[i].is_contiguous() &&
+                      e.numel() == src[i].numel(),
+                  "pair ", k * n + i, ": contiguous CPU tensors of one size");
+      if (e.numel() > 0 && (host_weights.empty() || host_weights[k] != 0.0)) {
+        pairs.push_back({e.data_ptr(), src[i].const_data_ptr(), e.numel(), *kind,
+                         static_cast<uint32_t>(k * n + i)});
+      }
+    }
+  }
+  return pairs;
+}
+
+// Tracks [first, first + kMaxTracks)'s weights: host values, or a 1-D tensor's elements.
+TrackWeightArgs track_weights(c10::ArrayRef<double> values, const std::optional<at::Tensor>& tensor,
+                              size_t first) {
+  if (!tensor.has_value()) {
+    return round_weights(values.data(), values.size(), nullptr, nullptr, 0, first);
+  }
+  TORCH_CHECK(tensor->dim() == 1 &&
+                  (tensor->scalar_type() == at::kFloat || tensor->scalar_type() == at::kDouble),
+              "tensor weights: 1-D float32/float64");
+  const bool f32 = tensor->scalar_type() == at::kFloat;
+  return round_weights(nullptr, 0, f32 ? tensor->const_data_ptr<float>() : nullptr,
+                       f32 ? nullptr : tensor->const_data_ptr<double>(), tensor->stride(0), first);
+}
+
+size_t tracks_of(c10::ArrayRef<double> values, const std::optional<at::Tensor>& tensor) {
+  return tensor.has_value() ? static_cast<size_t>(tensor->numel()) : values.size();
+}
+
+Counts lerp_many_op(at::TensorList emas, at::TensorList src, c10::ArrayRef<double> weights,
+                    const std::optional<at::Tensor>& weight_tensor, bool large) {
+  const size_t tracks = tracks_of(weights, weight_tensor);
+  const std::vector<TrackPair> pairs =
+      track_pairs(emas, src, weight_tensor.has_value() ? c10::ArrayRef<double>() : weights, tracks);
+  LaunchCounts counts;
+  const cudaError_t err = for_each_track_launch<TrackEmas>(
+      pairs.data(), pairs.size(), src.size(), tracks,
+      [](TrackEmas& extra, int slot, const TrackPair& pair) { extra.ema[slot] = pair.ema; },
+      [&](int kind, size_t first, const TensorRef* refs, const TrackEmas* extras, int64_t count) {
+        return kMany[kind](refs, extras, count, track_weights(weights, weight_tensor, first), large,
+                           counts);
+      });
+  return counts_of(err, counts);
+}
+
+Counts lerp_many_stochastic_op(at::TensorList emas, at::TensorList src,
+                               c10::ArrayRef<double> weights,
+                               const std::optional<at::Tensor>& weight_tensor,
+                               at::IntArrayRef seeds, int64_t step,
+                               const std::optional<at::Tensor>& step_tensor, at::IntArrayRef keys,
+                               at::IntArrayRef offsets, bool large) {
+  const size_t tracks = tracks_of(weights, weight_tensor);
+  const size_t n = src.size();
+  TORCH_CHECK(seeds.size() == tracks && keys.size() == tracks * n && offsets.size() == n,
+              "a seed per track, a key per EMA tensor, an offset per src tensor");
+  const std::vector<TrackPair> pairs =
+      track_pairs(emas, src, weight_tensor.has_value() ? c10::ArrayRef<double>() : weights, tracks);
+  StepArg step_arg{static_cast<uint64_t>(step), nullptr};
+  if (step_tensor.has_value()) {
+    step_arg = {0, step_tensor->const_data_ptr<int64_t>()};
+  }
+  LaunchCounts counts;
+  const cudaError_t err = for_each_track_launch<SrTrackEmas>(
+      pairs.data(), pairs.size(), n, tracks,
+      [&](SrTrackEmas& extra, int slot, const TrackPair& pair) {
+        extra.emas.ema[slot] = pair.ema;
+        extra.key[slot] = static_cast<uint32_t>(keys[pair.index]);
+        extra.offset = static_cast<uint64_t>(offsets[pair.index % n]);
+      },
+      [&](int kind, size_t first, const TensorRef* refs, const SrTrackEmas* extras, int64_t count) {
+        const auto round = round_seeds(seeds.data(), tracks, first);
+        return kManyStochastic[kind](refs, extras, count,
+                                     track_weights(weights, weight_tensor, first), step_arg,
+                                     round.data(), large, counts);
+      });
+  return counts_of(err, counts);
+}
+
 void schedule_op(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
                  bool advance) {
   TORCH_CHECK(step.scalar_type() == at::kLong && step.numel() == 1 &&
@@ -133,12 +271,22 @@ void schedule_op(const at::Tensor& step, const at::Tensor& out, const at::Tensor
                 config.const_data_ptr<double>(), advance);
 }
 
-// Tensors a launch carries: lerp_ 4 KB, 32 KB; lerp_stochastic_ (16-bit EMAs) 4 KB, 32 KB.
+// Tensors a launch carries: lerp_ 4 KB, 32 KB; lerp_stochastic_ (16-bit EMAs) 4 KB, 32 KB;
+// lerp_many_ 4 KB, 32 KB; lerp_many_stochastic_ (16-bit EMAs) 4 KB, 32 KB; tracks a launch.
 Counts capacities() {
   using Sr = LerpStochasticOp<__nv_bfloat16, float>;
   using Plain = LerpOp<float, float>;
-  return {op_capacity<Plain, kSmallParamBytes>(), op_capacity<Plain, kLargeParamBytes>(),
-          op_capacity<Sr, kSmallParamBytes>(), op_capacity<Sr, kLargeParamBytes>()};
+  using Many = LerpManyOp<float, float>;
+  using ManySr = LerpManyStochasticOp<__nv_bfloat16, float>;
+  return {op_capacity<Plain, kSmallParamBytes>(),
+          op_capacity<Plain, kLargeParamBytes>(),
+          op_capacity<Sr, kSmallParamBytes>(),
+          op_capacity<Sr, kLargeParamBytes>(),
+          op_capacity<Many, kSmallParamBytes>(),
+          op_capacity<Many, kLargeParamBytes>(),
+          op_capacity<ManySr, kSmallParamBytes>(),
+          op_capacity<ManySr, kLargeParamBytes>(),
+          kMaxTracks};
 }
 
 }  // namespace
@@ -155,6 +303,15 @@ TORCH_LIBRARY(fused_ema_emulation, m) {
       "lerp_stochastic_(Tensor(a!)[] ema, Tensor[] src, float weight, Tensor? weight_tensor, "
       "int seed, int step, Tensor? step_tensor, int[] keys, int[] offsets, bool large) -> int[]",
       &emu::lerp_stochastic_op);
+  m.def(
+      "lerp_many_(Tensor(a!)[] emas, Tensor[] src, float[] weights, Tensor? weight_tensor, "
+      "bool large) -> int[]",
+      &emu::lerp_many_op);
+  m.def(
+      "lerp_many_stochastic_(Tensor(a!)[] emas, Tensor[] src, float[] weights, "
+      "Tensor? weight_tensor, int[] seeds, int step, Tensor? step_tensor, int[] keys, "
+      "int[] offsets, bool large) -> int[]",
+      &emu::lerp_many_stochastic_op);
   m.def("schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()",
         &emu::schedule_op);
   m.def("capacities() -> int[]", &emu::capacities);
