@@ -17,11 +17,11 @@ constexpr const char* kOp = "fused_ema.ema_schedule_: ";
 constexpr const char* kFieldRules[kNumConfigFields] = {
     "decay must be in [0, 1]",
     "min_decay must be in [0, decay]",
-    "warmup_gamma must be finite, and > 0 with the power warmup",
+    "warmup_gamma must be finite, > 0 with the power warmup, > -1 with the power function",
     "warmup_power must be finite, and > 0 with the power warmup",
     "update_after_step must be an integer in [0, 2**53]",
     "update_every must be an integer in [1, 2**53]",
-    "warmup_kind must be 0 (none), 1 (power), 2 (diffusers) or 3 (torch_ema)",
+    "warmup_kind must be 0 (none), 1 (power), 2 (diffusers), 3 (torch_ema) or 4 (power function)",
     "update_every_decay must be 0 (compensated) or 1 (plain)",
 };
 

@@ -4,7 +4,8 @@
 //   s = step - update_after_step - 1 (averaging steps so far; torch_ema warmup: without the - 1,
 //   as torch_ema averages from its first update); s <= 0: copy the model (decay 0)
 //   decay_s = clamp(ramp(s), min_decay, decay), ramp by warmup kind: none: decay; power:
-//   1 - (1 + s / gamma)^-power; diffusers and torch_ema: (1 + s) / (10 + s)
+//   1 - (1 + s / gamma)^-power; diffusers and torch_ema: (1 + s) / (10 + s); power function
+//   (EDM2's profile, t = s + 1 updates so far): (1 - 1 / t)^(gamma + 1)
 //   an update happens when (step - 1) % every == 0, with weight 1 - decay_s^every (or
 //   1 - decay_s with plain update_every decay); else weight 0
 #pragma once
@@ -24,7 +25,7 @@ constexpr int64_t kMaxStep = int64_t{1} << 53;
 enum ConfigField : int {
   kDecay,
   kMinDecay,
-  kWarmupGamma,  // used by the power warmup only
+  kWarmupGamma,  // used by the power warmup and the power function only
   kWarmupPower,
   kUpdateAfterStep,
   kUpdateEvery,
@@ -38,6 +39,7 @@ enum WarmupKind : int {
   kPowerWarmup,      // timm, ema-pytorch, diffusers use_ema_warmup=True
   kDiffusersWarmup,  // diffusers use_ema_warmup=False
   kTorchEmaWarmup,   // torch_ema use_num_updates=True
+  kPowerFunction,    // EDM2's power-function EMA (fused_ema.PostHocEma, ema-pytorch KarrasEMA)
   kNumWarmupKinds,
 };
 
@@ -76,7 +78,9 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
     return kMinDecay;
   }
   const bool power_warmup = config[kWarmupKind] == kPowerWarmup;
-  if (!finite(gamma) || (power_warmup && !(gamma > 0.0))) {
+  // A power-function profile t^gamma is integrable (a finite average) for gamma > -1.
+  const bool power_function = config[kWarmupKind] == kPowerFunction;
+  if (!finite(gamma) || (power_warmup && !(gamma > 0.0)) || (power_function && !(gamma > -1.0))) {
     return kWarmupGamma;
   }
   if (!finite(power) || (power_warmup && !(power > 0.0))) {
@@ -128,6 +132,9 @@ FUSED_EMA_HOST_DEVICE inline ScheduledWeight scheduled_weight(const Schedule& sc
     double ramp = 0.0;
     if (sc.warmup_kind == kPowerWarmup) {
       ramp = 1.0 - pow(1.0 + x / sc.warmup_gamma, -sc.warmup_power);
+    } else if (sc.warmup_kind == kPowerFunction) {
+      // EDM2's and ema-pytorch's own expression, so that the weights agree to the last bit.
+      ramp = pow(1.0 - 1.0 / (x + 1.0), sc.warmup_gamma + 1.0);
     } else {
       ramp = (1.0 + x) / (10.0 + x);
     }

@@ -4,6 +4,7 @@ fused_ema.lerp_(ema_tensors, src_tensors, weight)   # ema[i] += weight * (src[i]
 fused_ema.lerp_stochastic_(ema, src, weight, seed=0, step=t)   # bf16/fp16 EMAs: stochastic rounding
 fused_ema.lerp_many_([ema_a, ema_b], src, [w_a, w_b])   # K EMAs, each src read once
 fused_ema.build_info()                              # what was compiled, and for what
+fused_ema.PostHocEma(model, sigma_rels=(0.05, 0.10))   # post-hoc EMA (fused_ema.posthoc)
 """
 
 from ._ext.loader import _C  # noqa: F401  (must come before the ops that use it)
@@ -19,11 +20,13 @@ from .ops import (
     lerp_stochastic_,
     set_cpu_isa,
 )
+from .posthoc import PostHocEma
 
 __all__ = [
     "CheckpointError",
     "LoadResult",
     "ModelEma",
+    "PostHocEma",
     "PrecisionWarning",
     "StructureMismatchError",
     "SUPPORTED_DTYPE_PAIRS",

@@ -71,7 +71,10 @@ class ModelEma(nn.Module):
         warmup: False, True (gamma=1, power=2/3) or (gamma, power): the decay of averaging step
             s is ``min(decay, max(min_decay, 1 - (1 + s / gamma) ** -power))``; "diffusers":
             ``(1 + s) / (10 + s)`` instead (diffusers' use_ema_warmup=False); "torch_ema": that
-            ramp counted from the first update, which averages too (torch_ema's num_updates).
+            ramp counted from the first update, which averages too (torch_ema's num_updates);
+            ``("power_function", gamma)``: EDM2's power-function EMA, decay
+            ``(1 - 1 / t) ** (gamma + 1)`` at the t-th update counted from the copy (t = s + 1;
+            ema-pytorch's KarrasEMA), capped by ``decay`` (use decay=1.0).
         update_every: update on steps 1, 1 + k, 1 + 2k, ... with ``decay ** k`` (or ``decay``:
             see update_every_decay).
         on_mismatch: "error" raises when the model's tensors were added, removed, renamed,

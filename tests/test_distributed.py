@@ -114,3 +114,15 @@ def test_ddp_wrapper_and_module_give_the_same_ema(backend, tmp_path):
         assert r["same_ema"]
         assert r["names"] == [n for n, _ in Net().named_parameters()]  # no "module." prefix
     assert len({r["checksum"] for r in ranks}) == 1, "the EMA differs between ranks"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_posthoc_ema_under_ddp_tracks_the_same_emas_and_rank_0_writes_the_snapshots(
+    backend, tmp_path
+):
+    name, nproc = backend
+    ranks = torchrun("posthoc_ddp", tmp_path, name, nproc)
+    assert len({r["checksum"] for r in ranks}) == 1, "the EMAs differ between ranks"
+    assert {r["snapshot_index"] for r in ranks} == {STEPS // 2}
+    files = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    assert files == [f"{i:06d}-ema{k}.safetensors" for i in range(STEPS // 2) for k in range(2)]

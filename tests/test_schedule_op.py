@@ -23,7 +23,7 @@ FIELDS = (
     "warmup_kind",
     "update_every_decay",
 )
-NONE, POWER, DIFFUSERS, TORCH_EMA = 0, 1, 2, 3  # warmup_kind
+NONE, POWER, DIFFUSERS, TORCH_EMA, POWER_FUNCTION = 0, 1, 2, 3, 4  # warmup_kind
 
 
 def reference(config, step):
@@ -38,6 +38,9 @@ def reference(config, step):
         d = max(min_decay, min(decay, 1.0 - (1.0 + averaged / gamma) ** -power))
     elif kind in (DIFFUSERS, TORCH_EMA):
         d = max(min_decay, min(decay, (1.0 + averaged) / (10.0 + averaged)))
+    elif kind == POWER_FUNCTION:  # EDM2: t = averaged + 1 updates, the first of them the copy
+        t = averaged + 1
+        d = max(min_decay, min(decay, (1.0 - 1.0 / t) ** (gamma + 1.0)))
     else:
         d = decay
     if (step - 1) % int(every) != 0:
@@ -56,9 +59,11 @@ def tensors(device, step=0, config=(0.999, 0.0, 0.0, 1.0, 0, 1, 0, 0)):
 def random_config(rng):
     decay = rng.choice([0.0, 1.0, 0.5, 0.9, 0.999, 0.9999, rng.random()])
     min_decay = rng.choice([0.0, decay * rng.random(), decay])
-    kind = rng.choice([NONE, POWER, DIFFUSERS, TORCH_EMA])
+    kind = rng.choice([NONE, POWER, DIFFUSERS, TORCH_EMA, POWER_FUNCTION])
     if kind == POWER:
         gamma, power = rng.choice([(1.0, 0.75), (rng.uniform(0.1, 50), 2 / 3)])
+    elif kind == POWER_FUNCTION:
+        gamma, power = rng.choice([6.94, 16.97, -0.3, rng.uniform(-0.99, 40)]), 1.0
     else:  # ignored by the other kinds, whatever they hold
         gamma, power = rng.choice([(0.0, 1.0), (-1.0, 0.0), (3.0, 0.5)])
     return (
@@ -151,7 +156,7 @@ BAD_FIELDS = [
     (5, float(MAX_STEP + 2)),
     (5, math.nan),
     (6, -1.0),
-    (6, 4.0),
+    (6, 5.0),
     (6, 1.5),
     (6, math.nan),
     (7, -1.0),
@@ -188,6 +193,24 @@ def test_warmup_gamma_must_be_positive_with_the_power_warmup(gamma):
     step, out, cfg = tensors("cpu", step=5, config=(0.9, 0.0, gamma, 1.0, 0, 1, POWER, 0))
     with pytest.raises(ValueError, match="config: warmup_gamma must"):
         op(step, out, cfg, False)
+
+
+@pytest.mark.parametrize("gamma", [-1.0, -3.0, math.inf])
+def test_the_power_functions_gamma_must_exceed_minus_one(gamma):
+    config = (1.0, 0.0, gamma, 1.0, 0, 1, POWER_FUNCTION, 0)
+    step, out, cfg = tensors("cpu", step=5, config=config)
+    with pytest.raises(ValueError, match="config: warmup_gamma must"):
+        op(step, out, cfg, False)
+
+
+def test_the_power_function_is_edm2s_profile_from_its_first_update():
+    """t-th update from the copy: decay (1 - 1/t)^(gamma + 1); the first one copies (decay 0)."""
+    gamma = 6.94
+    for t, after in ((1, 0), (2, 0), (3, 0), (50, 0), (7, 3)):
+        config = (1.0, 0.0, gamma, 1.0, after, 1, POWER_FUNCTION, 0)
+        step, out, cfg = tensors("cpu", step=t + after, config=config)
+        op(step, out, cfg, False)
+        assert out[1].item() == pytest.approx((1 - 1 / t) ** (gamma + 1), rel=1e-15, abs=0.0)
 
 
 def test_limits_of_the_integer_fields_are_accepted():

@@ -83,6 +83,10 @@ class Binding:
                 return walk, None
         return _C.tensor_walk(model, self.with_buffers, True)
 
+    def vouches(self, snapshot) -> bool:
+        """Whether the current plan (for `snapshot`) may be used when the model is unchanged."""
+        return self.plan is not None and self.plan.snapshot == snapshot
+
     def plan_for(self, ema, model, walk, names, snapshot, schedule):
         """The plan for this walk of `model` (from walk()), and how to undo what was needed to
         make it (None when the current plan fits)."""

@@ -47,6 +47,10 @@ class AsyncRunner:
             events.append(done)
         return events
 
+    def job(self) -> Future | None:
+        """The job in flight, for another thread to wait on (its error stays for wait())."""
+        return self._pending
+
     def submit(self, fn) -> None:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_ema")

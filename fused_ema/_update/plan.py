@@ -10,17 +10,18 @@ first write lets the update finish before it propagates.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .._dist.dtensor import is_dtensor, local, replica_cut, shard_offset
 from .._ext.loader import _C
 from .._model.tracking import EntryTable
-from ..ops import SUPPORTED_DTYPE_PAIRS, lerp_, lerp_stochastic_
+from ..ops import SUPPORTED_DTYPE_PAIRS, lerp_, lerp_many_, lerp_stochastic_
 
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
@@ -56,10 +57,16 @@ class DeviceGroup:
     keys: list = field(default_factory=list)
     offsets: list = field(default_factory=list)
     whole: bool = False  # the sources are the walk itself: every item, in order, direct
+    # A joined plan (UpdatePlan.joined): the groups of the other EMAs updated from these same
+    # sources, with one weight each after this group's.
+    followers: tuple = ()
 
     def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
         if not weight.is_cpu and weight.device != self.device:
             weight = weight.to(self.device)  # a device weight for another device
+        if self.followers:
+            self._lerp_many(sources, weight, step)
+            return
         if self.seed is None:
             lerp_(self.ema, sources, weight)
             return
@@ -74,6 +81,38 @@ class DeviceGroup:
             keys=self.keys,
             offsets=self.offsets,
         )
+
+    def _lerp_many(self, sources: list, weights: torch.Tensor, step: torch.Tensor) -> None:
+        groups = (self, *self.followers)
+        emas = [g.ema for g in groups]
+        if self.seed is None:
+            lerp_many_(emas, sources, weights)
+            return
+        if not step.is_cpu and step.device != self.device:
+            step = step.to(self.device)
+        lerp_many_(
+            emas,
+            sources,
+            weights,
+            seed=[g.seed for g in groups],
+            step=step,
+            keys=[g.keys for g in groups],
+            offsets=self.offsets,
+        )
+
+    def joined(self, others: list) -> DeviceGroup:
+        """This group updating the groups `others` too, from its sources: theirs must list EMA
+        tensors for the same sources, in the same order (plans of one walk, one policy)."""
+        for other in others:
+            same = (other.direct, other.shards, other.cuts, other.staged, other.offsets)
+            if same != (self.direct, self.shards, self.cuts, self.staged, self.offsets) or (
+                (other.seed is None) != (self.seed is None)
+            ):
+                raise RuntimeError(
+                    f"fused_ema: the EMAs updated together place their tensors on {self.device} "
+                    "differently (another dtype or device policy): they cannot share one pass"
+                )
+        return replace(self, followers=tuple(others))
 
     def sources(self, walk: list) -> list:
         if self.whole:
@@ -179,6 +218,44 @@ class UpdatePlan:
         if self._single is not None and (self._single.staging or self._single.wait_for):
             self._single = None
         self._walk_cache = None  # what the walk read, once a model matched this plan
+        self._joined = None  # (the other plans, the plan joined with them), from joined()
+
+    def joined(self, others: list) -> UpdatePlan:
+        """A plan that runs this one and `others` (plans of the same walk, for other EMAs of the
+        model) as one update: each device's sources are staged and read once for every EMA
+        (ops.lerp_many_), each plan's copies run, and it is all or nothing across them. It
+        runs with one weight per plan, this one's first (updater.JointWeights)."""
+        cached = self._joined
+        if cached is not None and len(cached[0]) == len(others):
+            if all(a is b for a, b in zip(cached[0], others)):
+                return cached[1]
+        joint = copy.copy(self)
+        joint._joined = None
+        joint.groups = {}
+        for device, group in self.groups.items():
+            theirs = [p.groups.get(device) for p in others]
+            if any(g is None for g in theirs) or any(
+                set(p.groups) != set(self.groups) for p in others
+            ):
+                raise RuntimeError(
+                    "fused_ema: the EMAs updated together keep their tensors on different "
+                    "devices: they cannot share one pass"
+                )
+            joint.groups[device] = group.joined(theirs)
+        joint.copies = {}
+        for k, plan in enumerate((self, *others)):
+            for key, group in plan.copies.items():
+                joint.copies[(k, *key)] = group
+        joint._probes = [g.ema[0] for g in joint.groups.values()]
+        joint._probes += [c.ema[0] for c in joint.copies.values()]
+        joint._single = None
+        if len(joint.groups) == 1 and not joint.copies:
+            (single,) = joint.groups.values()
+            if not single.staging and not single.wait_for:
+                joint._single = single
+        joint._marks = None
+        self._joined = (tuple(others), joint)
+        return joint
 
     # ------------------------------------------------------------------ checks
 
@@ -231,7 +308,7 @@ class UpdatePlan:
             return
         self._marks = [p._version for p in self._probes]
         copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
-        if self.has_staging and weight.device.type == "cpu" and float(weight) == 0.0:
+        if self.has_staging and _zero_on_host(weight):
             # Cross-device copies are not free: skip them on the steps update_every leaves out.
             # (Same-device updates never read the weight in Python.)
             _run_to_the_end(copies)
@@ -249,7 +326,7 @@ class UpdatePlan:
         Returns whether work was left to the worker."""
         weight, step = schedule.weight, schedule.step
         self._marks = [p._version for p in self._probes]
-        skipped = weight.device.type == "cpu" and float(weight) == 0.0  # a host value
+        skipped = _zero_on_host(weight)
         now = [g for g in self.groups.values() if g.device.type != "cpu"]
         later = [g for g in self.groups.values() if g.device.type == "cpu" and not skipped]
         snapped = [c for c in self.copies.values() if c.staging]
@@ -296,6 +373,11 @@ class UpdatePlan:
 
 
 _ROUNDED = (torch.bfloat16, torch.float16)
+
+
+def _zero_on_host(weight: torch.Tensor) -> bool:
+    """Whether the weights (one per EMA of the update) are CPU values that are all 0."""
+    return weight.device.type == "cpu" and not bool(weight.any())
 
 
 def stream_key(name: str) -> int:

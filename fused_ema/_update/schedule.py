@@ -26,6 +26,10 @@ OPTION_KEYS = (
 )
 # The (1 + s) / (10 + s) ramps, by the peer that counts s that way (csrc/schedule_formula.h).
 RAMP_WARMUPS = {"diffusers": 2, "torch_ema": 3}
+# EDM2's power-function EMA, ("power_function", gamma): decay (1 - 1/t) ** (gamma + 1) at the
+# t-th averaging update (fused_ema.PostHocEma's tracks).
+POWER_FUNCTION = "power_function"
+POWER_FUNCTION_KIND = 4
 EVERY_DECAYS = ("compensated", "plain")
 
 
@@ -62,18 +66,26 @@ def check_options(
     update_every=1,
     update_every_decay="compensated",
 ):
-    """The schedule options, validated and normalised (warmup: None, (gamma, power), "diffusers"
-    or "torch_ema")."""
+    """The schedule options, validated and normalised (warmup: None, (gamma, power), "diffusers",
+    "torch_ema" or ("power_function", gamma))."""
     decay = _real("decay", decay, 0.0, 1.0)
     min_decay = _real("min_decay", min_decay, 0.0, decay)
     if warmup is True:
         warmup = DEFAULT_WARMUP
-    if warmup is False or warmup is None:
+    if isinstance(warmup, (tuple, list)) and len(warmup) == 2 and warmup[0] == POWER_FUNCTION:
+        gamma = warmup[1]
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > -1:
+            raise ValueError(f"the power function's gamma must be a number > -1, got {gamma!r}")
+        if not math.isfinite(gamma):
+            raise ValueError(f"the power function's gamma must be finite, got {gamma!r}")
+        warmup = (POWER_FUNCTION, float(gamma))
+    elif warmup is False or warmup is None:
         warmup = None
     elif isinstance(warmup, str):
         if warmup not in RAMP_WARMUPS:
             raise ValueError(
-                f"warmup must be False, True, (gamma, power), 'diffusers' or 'torch_ema', "
+                f"warmup must be False, True, (gamma, power), 'diffusers', 'torch_ema' or "
+                "('power_function', gamma), "
                 f"got {warmup!r}"
             )
     else:
@@ -81,7 +93,8 @@ def check_options(
             gamma, power = (float(v) for v in warmup)
         except (TypeError, ValueError):
             raise ValueError(
-                "warmup must be False, True, (gamma, power), 'diffusers' or 'torch_ema', "
+                "warmup must be False, True, (gamma, power), 'diffusers', 'torch_ema' or "
+                "('power_function', gamma), "
                 f"got {warmup!r}"
             ) from None
         if not (0 < gamma < math.inf and 0 < power < math.inf):
@@ -137,6 +150,8 @@ def _config_values(options: dict) -> list[float]:
     gamma, power, kind = 0.0, 1.0, 0.0
     if isinstance(warmup, str):
         kind = float(RAMP_WARMUPS[warmup])
+    elif warmup is not None and warmup[0] == POWER_FUNCTION:
+        gamma, kind = warmup[1], float(POWER_FUNCTION_KIND)
     elif warmup is not None:
         (gamma, power), kind = warmup, 1.0
     return [

@@ -6,6 +6,7 @@ while swapped() lends the EMA's tensors to the model. Owns the state no copy or 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -19,6 +20,24 @@ from .nonblocking import AsyncRunner
 walk_agrees = _C.walk_agrees
 
 
+class JointWeights:
+    """What a joined plan reads: the weights of the leader's and its followers' current step
+    (one per EMA, in their order) and the step (the same on every one)."""
+
+    __slots__ = ("weight", "step")
+
+    def __init__(self, weight: torch.Tensor, step: torch.Tensor):
+        self.weight = weight
+        self.step = step
+
+
+def joint_weights(schedules: list):
+    """The schedule a plan runs with: the one schedule itself, or their weights side by side."""
+    if len(schedules) == 1:
+        return schedules[0]
+    return JointWeights(torch.cat([s.weight for s in schedules]), schedules[0].step)
+
+
 class Updater:
     def __init__(self, binding, schedule):
         self.binding = binding
@@ -26,9 +45,22 @@ class Updater:
         self.runner = AsyncRunner()
         self.pending_plan = None  # the plan a non_blocking update runs on the worker
         self.swapped = False
+        # Several EMAs of one model updated in one pass (fused_ema.PostHocEma): the leader's
+        # update also updates its followers' EMAs, from one read of the model (ops.lerp_many_);
+        # a follower waits for its leader's work in flight and cannot update on its own.
+        self.followers: tuple = ()
+        self.leader = None
+        self.ema_ref = None  # a follower's ModelEma (weakly: it owns this updater)
+
+    def follow(self, leader, ema) -> None:
+        """Makes `ema` (this updater's ModelEma) one of the EMAs `leader` updates."""
+        self.leader, self.ema_ref = leader, weakref.ref(ema)
+        leader.followers = (*leader.followers, self)
 
     def ready(self, what: str) -> None:
         """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
+        if self.leader is not None:
+            self.leader.synchronize()
         if self.runner.busy:
             self.synchronize()
         if self.swapped:
@@ -39,6 +71,8 @@ class Updater:
 
     def check(self, error: str) -> None:
         """ready() with its own message for the RuntimeError raised inside swapped()."""
+        if self.leader is not None:
+            self.leader.synchronize()
         self.synchronize()
         if self.swapped:
             raise RuntimeError(error)
@@ -46,40 +80,71 @@ class Updater:
     def update(self, ema, model, step, non_blocking: bool, values=None) -> None:
         """One update of `ema` toward `model` (unwrapped); `values` are those a compiled program
         walked. A failure leaves the step, the schedule and the binding as they were."""
+        if self.leader is not None:
+            raise RuntimeError(
+                "fused_ema: this EMA is one of a PostHocEma's tracks, which update together: "
+                "call the PostHocEma's update()"
+            )
         step = self.schedule.check_step(step)
         walk, names = self.binding.walk(model, non_blocking)
+        if names is None and any(not f.binding.vouches(non_blocking) for f in self.followers):
+            walk, names = _C.tensor_walk(model, self.binding.with_buffers, True)  # to plan with
         if without_grad(self._update, ema, model, walk, names, step, non_blocking, values):
-            self.schedule.commit()
+            self._commit()
 
     def _update(self, ema, model, walk, names, step, non_blocking: bool, values) -> bool:
         """update() with autograd off; False when the worker finishes it (synchronize() then
         commits or rolls back)."""
-        schedule = self.schedule
-        plan, undo = None, None
+        schedules = [self.schedule] + [f.schedule for f in self.followers]
+        plan, undos = None, []
         try:
-            plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, schedule)
+            plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, self.schedule)
+            undos.append(undo)
+            if self.followers:
+                plans = []
+                for f in self.followers:
+                    follower_plan, undo = f.binding.plan_for(
+                        f.ema_ref(), model, walk, names, non_blocking, f.schedule
+                    )
+                    undos.append(undo)
+                    plans.append(follower_plan)
+                plan = plan.joined(plans)
             if values is not None and not walk_agrees(values, walk):
                 # The traced walk (_model/walk.py, the Python form dynamo can follow) must be the
                 # C walk item for item: a disagreement is refused, never averaged.
                 raise RuntimeError("fused_ema: the compiled program walked another model structure")
             plan.forget_run()
-            schedule.begin(step)
-            schedule.note_capture()
+            for schedule in schedules:
+                schedule.begin(step)
+                schedule.note_capture()
+            weights = joint_weights(schedules)
             if non_blocking:
-                if plan.start(walk, schedule, self.runner):
+                if plan.start(walk, weights, self.runner):
                     self.pending_plan = plan
                     return False
             else:
-                plan.run(walk, schedule, values)
+                plan.run(walk, weights, values)
         except BaseException:
             if plan is not None and plan.started():
-                schedule.commit()  # it wrote, so it finished: only the error propagates
+                self._commit()  # it wrote, so it finished: only the error propagates
             else:
-                schedule.rollback()
-                if undo is not None:
-                    undo()  # a resync that the failed update made is undone too
+                for schedule in schedules:
+                    schedule.rollback()
+                for undo in reversed(undos):
+                    if undo is not None:
+                        undo()  # a resync that the failed update made is undone too
             raise
         return True
+
+    def _commit(self) -> None:
+        self.schedule.commit()
+        for f in self.followers:
+            f.schedule.commit()
+
+    def _rollback(self) -> None:
+        self.schedule.rollback()
+        for f in self.followers:
+            f.schedule.rollback()
 
     def trace(self, model, step, key: int) -> None:
         """update() inside torch.compile: the traced program walks the model and calls the op
@@ -108,12 +173,12 @@ class Updater:
                 raise  # interrupted while waiting: the job still runs
             plan, self.pending_plan = self.pending_plan, None
             if plan is not None and not plan.started():
-                self.schedule.rollback()
+                self._rollback()
             else:
-                self.schedule.commit()
+                self._commit()
             raise
         self.pending_plan = None
-        self.schedule.commit()
+        self._commit()
 
     @contextlib.contextmanager
     def lend(self, model):

@@ -217,6 +217,29 @@ def ddp(out: Path, rank: int, device) -> dict:
     return {"names": list(a), "same_ema": same, "checksum": checksum}
 
 
+def posthoc_ddp(out: Path, rank: int, device) -> dict:
+    """PostHocEma of a DDP model: every rank tracks the same EMAs, rank 0 alone writes snapshots."""
+    from fused_ema.posthoc import PostHocEma
+
+    torch.manual_seed(0)
+    model = Net().to(device)
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    folder = out / "snapshots"
+    ema = PostHocEma(wrapped, (0.05, 0.1), snapshot_every=2, snapshot_dir=folder)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+    for step in range(1, STEPS + 1):
+        train_step(wrapped, opt, batch(step, device, rank_salt=rank))
+        ema.update(wrapped)
+    ema.close()
+    weights = [e.state_dict()["weights"] for e in ema.emas]
+    checksum = sum(float(t.double().sum()) for w in weights for t in w.values())
+    return {
+        "checksum": checksum,
+        "steps": ema.step,
+        "snapshot_index": ema.state_dict()["snapshot_index"],
+    }
+
+
 def main() -> None:
     scenario, out, backend = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     rank, device = setup(backend)
@@ -224,7 +247,8 @@ def main() -> None:
         if scenario == "dcp_load":
             result = dcp_load(out, rank, device, sys.argv[4])
         else:
-            result = {"fsdp": fsdp, "dcp_save": dcp_save, "ddp": ddp}[scenario](out, rank, device)
+            scenarios = {"fsdp": fsdp, "dcp_save": dcp_save, "ddp": ddp, "posthoc_ddp": posthoc_ddp}
+            result = scenarios[scenario](out, rank, device)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,440 @@
+"""PostHocEma: EDM2's power-function EMAs of one model, updated from one read of it, and their
+snapshots. Each tracked EMA is a ModelEma with the power-function schedule; the first one's update
+also updates the others (one fused lerp_many_ per device), so every ModelEma promise (devices,
+dtypes, buffers, names, checkpoints, structure changes, non_blocking, compile) is theirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._model.walk import unwrap_model
+from .._update.schedule import POWER_FUNCTION, whole_number
+from ..checkpoint import read_file
+from ..ema import ModelEma
+from ..errors import CheckpointError
+from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
+from .snapshots import clean_temporary_files, next_index, snapshot_metadata, snapshot_path
+from .writer import SnapshotWriter
+
+FORMAT = "fused_ema.posthoc"
+FORMAT_VERSION = 1
+_UINT64 = 2**64
+
+
+class PostHocEma(nn.Module):
+    """Power-function EMAs of `model` (EDM2, Karras et al. 2024), for choosing the EMA width
+    after training: ``fused_ema.posthoc.synthesize(snapshot_dir, sigma_rel=...)``.
+
+    Each EMA's decay at its t-th update (t from 1: the first update copies the model) is
+    ``(1 - 1 / t) ** (gamma + 1)``, gamma from its ``sigma_rel`` (or given by ``gammas=``). One
+    ``update(model)`` reads every model tensor once for all of them. Every ``snapshot_every``
+    updates, with a ``snapshot_dir``, each EMA is written there (one safetensors file per EMA,
+    float tensors in ``snapshot_dtype``) by a background thread: the training step waits for
+    neither the copy of a GPU EMA nor the disk.
+
+    Args:
+        model: the module to follow.
+        sigma_rels: the relative widths of the EMAs tracked (EDM2 tracks 0.05 and 0.10).
+        gammas: the power-function exponents instead of sigma_rels.
+        snapshot_every: updates between snapshots.
+        snapshot_dir: where snapshots go (None: none are written). A fresh PostHocEma refuses a
+            folder that holds snapshots already; one restored by load_state_dict continues its
+            numbering (and replaces snapshots written after that checkpoint).
+        snapshot_dtype: the dtype of float tensors in snapshots (None: the EMA's own).
+        device, dtype, buffers, update_after_step, stochastic_rounding, stochastic_rounding_seed,
+        on_mismatch, copy_names, ignore_names, shard: as ModelEma (EMA k rounds with seed
+        ``stochastic_rounding_seed + k``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sigma_rels=(0.05, 0.10),
+        *,
+        gammas=None,
+        snapshot_every: int = 1000,
+        snapshot_dir: str | os.PathLike | None = None,
+        snapshot_dtype: torch.dtype | None = torch.float16,
+        device=None,
+        dtype: torch.dtype | None = None,
+        buffers: str = "average",
+        update_after_step: int = 0,
+        stochastic_rounding: bool = True,
+        stochastic_rounding_seed: int = 0,
+        on_mismatch: str = "error",
+        copy_names=None,
+        ignore_names=None,
+        shard=False,
+    ):
+        super().__init__()
+        self.gammas = _gammas(sigma_rels, gammas)
+        self.sigma_rels = tuple(gamma_to_sigma_rel(g) for g in self.gammas)
+        self.snapshot_every = whole_number("snapshot_every", snapshot_every, 1)
+        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        if snapshot_dtype is not None and not (
+            isinstance(snapshot_dtype, torch.dtype) and snapshot_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"snapshot_dtype must be a floating dtype or None, got {snapshot_dtype!r}"
+            )
+        self.snapshot_dtype = snapshot_dtype
+        seed = whole_number(
+            "stochastic_rounding_seed", stochastic_rounding_seed, -(2**63), _UINT64 - 1
+        )
+        model = unwrap_model(model)
+        self._tracks = tuple(
+            ModelEma(
+                model,
+                decay=1.0,
+                update_after_step=update_after_step,
+                device=device,
+                dtype=dtype,
+                stochastic_rounding=stochastic_rounding,
+                stochastic_rounding_seed=(seed + k) % _UINT64,
+                buffers=buffers,
+                warmup=(POWER_FUNCTION, gamma),
+                on_mismatch=on_mismatch,
+                copy_names=copy_names,
+                ignore_names=ignore_names,
+                shard=shard,
+            )
+            for k, gamma in enumerate(self.gammas)
+        )
+        self._update_after_step = update_after_step
+        self._next_snapshot = 0  # the index of the next snapshot
+        self._resumed = False  # restored from a checkpoint: may replace later snapshots
+        self._init_transient()
+
+    def _init_transient(self) -> None:
+        leader = self._tracks[0]._updater
+        for track in self._tracks[1:]:
+            track._updater.follow(leader, track)
+        self._writer = SnapshotWriter()
+        self._t = 0 if self._tracks[0]._schedule.value() == 0 else None  # updates, if known
+        self._dir_checked = False
+
+    # ------------------------------------------------------------------ the EMAs
+
+    @property
+    def emas(self) -> tuple[ModelEma, ...]:
+        """The tracked EMAs, in the order of sigma_rels; evaluate one with ``emas[k].module``."""
+        return self._tracks
+
+    def __len__(self) -> int:
+        return len(self._tracks)
+
+    def __getitem__(self, k: int) -> ModelEma:
+        return self._tracks[k]
+
+    @property
+    def step(self) -> int:
+        return self._tracks[0].step
+
+    # ------------------------------------------------------------------ updating
+
+    def update(self, model: nn.Module, step=None, non_blocking: bool = False) -> None:
+        """One update of every tracked EMA toward `model`, reading each model tensor once; then
+        a snapshot when the update count reaches a multiple of snapshot_every."""
+        leader = self._tracks[0]
+        if torch.compiler.is_compiling():
+            leader.update(model, step, non_blocking)
+            if self.snapshot_dir is not None:
+                self._after_compiled_update()  # a graph break: snapshots run eagerly
+            return
+        self._writer.wait_staged()
+        self._writer.raise_failure()
+        t = self._updates_after(step)
+        due = self.snapshot_dir is not None and t is not None and t > 0
+        due = due and t % self.snapshot_every == 0
+        if due:
+            self._check_dir()
+        try:
+            leader.update(model, step, non_blocking)
+        except BaseException:
+            self._t = None
+            raise
+        if t is None and self.snapshot_dir is not None:
+            t = leader._schedule.value() - self._update_after_step  # reads the counter
+            due = t > 0 and t % self.snapshot_every == 0
+            if due:
+                self._check_dir()
+        self._t = t
+        if due:
+            self._snapshot(t)
+
+    @torch.compiler.disable
+    def _after_compiled_update(self) -> None:
+        t = self._tracks[0]._schedule.value() - self._update_after_step
+        self._t = None
+        if t > 0 and t % self.snapshot_every == 0:
+            self._check_dir()
+            self._snapshot(t)
+
+    def _updates_after(self, step):
+        """The update count t after an update with `step`, when known without reading a device."""
+        if step is None:
+            return None if self._t is None else self._t + 1
+        if isinstance(step, torch.Tensor):
+            return None
+        return whole_number("step", step, 0) - self._update_after_step
+
+    def synchronize(self) -> None:
+        """Waits for a non_blocking update and for every snapshot submitted to be written."""
+        self._tracks[0].synchronize()
+        self._writer.flush()
+
+    def resync(self, model: nn.Module) -> None:
+        """ModelEma.resync for every tracked EMA."""
+        for track in self._tracks:
+            track.resync(model)
+
+    def to(self, *args, **kwargs) -> PostHocEma:
+        for track in self._tracks:
+            track.to(*args, **kwargs)
+        return self
+
+    def _apply(self, fn, recurse=True) -> PostHocEma:
+        return self  # as ModelEma: a parent's .to() leaves the EMAs where they were asked to be
+
+    # ------------------------------------------------------------------ snapshots
+
+    def save_snapshot(self) -> None:
+        """Writes a snapshot of every EMA now (besides the periodic ones)."""
+        if self.snapshot_dir is None:
+            raise ValueError("PostHocEma.save_snapshot: this PostHocEma has no snapshot_dir")
+        self._tracks[0].synchronize()
+        self._check_dir()
+        self._snapshot(self._tracks[0].step - self._update_after_step)
+
+    def _check_dir(self) -> None:
+        """A fresh PostHocEma never overwrites another run's snapshots (checked by the rank that
+        writes them: the others may already see its files)."""
+        if self._dir_checked or not _writing_rank():
+            return
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        clean_temporary_files(self.snapshot_dir)  # left by a writer killed mid-write
+        found = next_index(self.snapshot_dir)
+        if found > self._next_snapshot and not self._resumed:
+            raise RuntimeError(
+                f"fused_ema.PostHocEma: {str(self.snapshot_dir)!r} already holds {found} snapshots "
+                "of another run; pass an empty snapshot_dir, or load this run's checkpoint "
+                "(load_state_dict) to continue its numbering"
+            )
+        self._dir_checked = True
+
+    def _snapshot(self, t: int) -> None:
+        index = self._next_snapshot
+        self._next_snapshot += 1
+        jobs = []
+        for k, track in enumerate(self._tracks):
+            tensors = _snapshot_tensors(track)
+            if tensors is None:
+                continue  # another rank writes
+            entries = track._binding.table.entries
+            copied = [
+                n for e in entries if not e.average for n in e.names if e.ema.is_floating_point()
+            ]
+            metadata = snapshot_metadata(
+                step=t,
+                gamma=self.gammas[k],
+                sigma_rel=self.sigma_rels[k],
+                index=index,
+                ema_index=k,
+                names=list(tensors),
+                dtypes={n: v.dtype for n, v in tensors.items()},
+                copied=copied,
+            )
+            path = snapshot_path(self.snapshot_dir, index, k)
+            jobs.append((path, tensors, metadata, self.snapshot_dtype))
+        if jobs:
+            self._writer.submit(jobs, self._tracks[0]._updater.runner.job())
+
+    def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
+        """fused_ema.posthoc.synthesize over this run's snapshots (once they are written)."""
+        from .synthesis import synthesize
+
+        if self.snapshot_dir is None:
+            raise ValueError("PostHocEma.synthesize: this PostHocEma has no snapshot_dir")
+        self.synchronize()
+        return synthesize(self.snapshot_dir, sigma_rel=sigma_rel, gamma=gamma, step=step)
+
+    def close(self) -> None:
+        """Writes what is pending and stops the snapshot thread."""
+        self._writer.flush()
+        self._writer.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Every EMA's state_dict, the gammas and the next snapshot's index. A parent module's
+        state_dict() gets flat keys: each EMA's under ``{prefix}ema{k}.``."""
+        if args:
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
+        self._tracks[0].synchronize()
+        if destination is None and not prefix:
+            return {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "gammas": list(self.gammas),
+                "snapshot_index": self._next_snapshot,
+                "snapshot_every": self.snapshot_every,
+                "emas": [track.state_dict() for track in self._tracks],
+            }
+        for k, track in enumerate(self._tracks):
+            destination = track.state_dict(
+                destination=destination, prefix=f"{prefix}ema{k}.", keep_vars=keep_vars
+            )
+        destination[prefix + "snapshot_index"] = torch.tensor(self._next_snapshot)
+        return destination
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        """Restores every EMA and the snapshot numbering from state_dict()'s dict (or a file),
+        all or nothing: each EMA's checkpoint is checked and converted before any is written."""
+        source = "PostHocEma checkpoint"
+        if isinstance(state, (str, os.PathLike)):
+            source = f"checkpoint file {os.fspath(state)!r}"
+            try:
+                state = read_file(state)
+            except Exception as err:
+                raise CheckpointError(
+                    [f"could not read it: {type(err).__name__}: {err}"], source
+                ) from err
+        self._tracks[0].synchronize()
+        problems = _format_problems(state, self.gammas)
+        if problems:
+            raise CheckpointError(problems, source)
+        prepared = []
+        for k, track in enumerate(self._tracks):
+            try:
+                prepared.append(track._state.prepare(state["emas"][k], strict))
+            except CheckpointError as err:
+                raise CheckpointError([f"ema {k}: {p}" for p in err.problems], source) from None
+        results = [track._state.apply(*p) for track, p in zip(self._tracks, prepared)]
+        self._next_snapshot = state["snapshot_index"]
+        self._resumed, self._dir_checked = True, False
+        self._t = None
+        return results[0]
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        """A parent module's load_state_dict(): every EMA's keys, all or nothing."""
+        from .._state import nested_state
+
+        self._tracks[0].synchronize()
+        ready, found = [], set()
+        ok = True
+        for k, track in enumerate(self._tracks):
+            sub = f"{prefix}ema{k}."
+            meta = (
+                state_dict._metadata.get(sub[:-1], {}) if hasattr(state_dict, "_metadata") else {}
+            )
+            own, missing, unexpected = nested_state.read(state_dict, sub, meta)
+            found.update(key for key in state_dict if key.startswith(sub))
+            missing_keys.extend(missing)
+            unexpected_keys.extend(unexpected)
+            prepared = nested_state.report(
+                lambda own, track=track, sub=sub: track._state.prepare(own, False, source=sub[:-1]),
+                track._binding.table,
+                own,
+                sub,
+                missing_keys,
+                unexpected_keys,
+                errors,
+            )
+            ok = ok and prepared is not None and not missing and not unexpected
+            ready.append(prepared)
+        index_key = prefix + "snapshot_index"
+        if index_key not in state_dict:
+            missing_keys.append(index_key)
+            ok = False
+        found.add(index_key)
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
+        if ok:
+            for track, prepared in zip(self._tracks, ready):
+                track._state.apply(*prepared)
+            self._next_snapshot = int(state_dict[index_key])
+            self._resumed, self._dir_checked, self._t = True, False, None
+
+    # ------------------------------------------------------------------ copies and pickling
+
+    def __getstate__(self) -> dict:
+        self._writer.flush()
+        return {k: v for k, v in self.__dict__.items() if k not in ("_writer",)}
+
+    def __setstate__(self, state: dict) -> None:
+        nn.Module.__setstate__(self, state)
+        self._init_transient()
+
+    def __repr__(self) -> str:
+        widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
+        where = self.snapshot_dir if self.snapshot_dir is not None else "none"
+        return (
+            f"PostHocEma(sigma_rels=({widths}), snapshot_every={self.snapshot_every}, "
+            f"snapshot_dir={where})"
+        )
+
+
+def _gammas(sigma_rels, gammas) -> tuple[float, ...]:
+    if gammas is not None:
+        values = tuple(gammas)
+        for g in values:
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not -1 < g < float("inf"):
+                raise ValueError(f"PostHocEma: each gamma must be a finite number > -1, got {g!r}")
+        out = tuple(float(g) for g in values)
+    else:
+        if sigma_rels is None:
+            raise ValueError("PostHocEma: give sigma_rels or gammas")
+        out = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
+    if not out:
+        raise ValueError("PostHocEma: track at least one EMA")
+    return out
+
+
+def _snapshot_tensors(track: ModelEma) -> dict | None:
+    """The EMA's tensors by name for a snapshot, or None on a rank that does not write."""
+    sharded = track._binding.policy.shard is not None
+    if sharded:
+        full = track.full_state_dict(rank=0, cpu_offload=False)
+        return full or None
+    if not _writing_rank():
+        return None
+    out = {}
+    for entry in track._binding.table.entries:
+        for name in entry.names:
+            out[name] = entry.ema.detach()
+    return out
+
+
+def _writing_rank() -> bool:
+    """Under torch.distributed, rank 0 writes the snapshots (every rank holds the same EMAs)."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _format_problems(state, gammas) -> list[str]:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        return [f"not a PostHocEma state dict (expected 'format': {FORMAT!r})"]
+    problems = []
+    if state.get("format_version") != FORMAT_VERSION:
+        problems.append(
+            f"format_version {state.get('format_version')!r}: expected {FORMAT_VERSION}"
+        )
+    saved = state.get("gammas")
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(gammas):
+        problems.append(
+            f"gammas {saved!r}: this PostHocEma tracks {len(gammas)} EMAs {list(gammas)}"
+        )
+    elif any(abs(float(a) - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(saved, gammas)):
+        problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
+    emas = state.get("emas")
+    if not isinstance(emas, (list, tuple)) or len(emas) != len(gammas):
+        problems.append(f"'emas' must list {len(gammas)} EMA state dicts")
+    index = state.get("snapshot_index")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        problems.append(f"snapshot_index {index!r}: expected a whole number >= 0")
+    return problems

@@ -1,0 +1,345 @@
+"""PostHocEma, the training-time half of post-hoc EMA: its tracked EMAs against an independent
+float64 implementation of EDM2's power-function EMA over a real training run, against the real
+ema-pytorch KarrasEMA, snapshots on disk, checkpoints (all or nothing, exact resume with the
+snapshot numbering) and the refusals that keep another run's snapshots safe."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fused_ema
+from conftest import DEVICES
+from fused_ema.errors import CheckpointError
+from fused_ema.posthoc import PostHocEma
+
+
+def gamma_of(sigma_rel: float) -> float:
+    """EDM2's sigma_rel -> gamma, independently: the largest real root of its cubic, by bisection
+    on sigma_rel(gamma), which falls as gamma grows."""
+
+    def sigma(g):
+        return math.sqrt((g + 1) / ((g + 2) ** 2 * (g + 3)))
+
+    lo, hi = -1 + 1e-12, 1e6
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sigma(mid) > sigma_rel else (lo, mid)
+    return (lo + hi) / 2
+
+
+def net(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    return model.to(device=device, dtype=dtype)
+
+
+def train(model, steps, on_step, seed=1, device="cpu"):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for t in range(1, steps + 1):
+        x = torch.randn(32, 12, generator=g).to(device=device, dtype=dtype)
+        y = torch.randn(32, 3, generator=g).to(device=device, dtype=dtype)
+        loss = (model(x) - y).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        on_step(t)
+
+
+class PowerEma:
+    """EDM2's power-function EMA in float64, written from the paper: beta_t = (1 - 1/t)^(g+1)."""
+
+    def __init__(self, model, gamma):
+        self.gamma = gamma
+        self.state = {n: v.detach().double().clone() for n, v in model.state_dict().items()}
+
+    def update(self, model, t):
+        beta = (1 - 1 / t) ** (self.gamma + 1)
+        for n, v in model.state_dict().items():
+            if v.is_floating_point():
+                self.state[n] = beta * self.state[n] + (1 - beta) * v.detach().double()
+            else:
+                self.state[n] = v.detach().clone()
+
+
+def max_rel_error(ema: fused_ema.ModelEma, ref: PowerEma) -> float:
+    weights = ema.state_dict()["weights"]
+    worst = 0.0
+    for name, value in ref.state.items():
+        if value.is_floating_point():
+            scale = value.abs().max().clamp_min(1e-12)
+            worst = max(worst, float((weights[name].double().cpu() - value).abs().max() / scale))
+        else:
+            assert torch.equal(weights[name].cpu(), value.cpu()), name
+    return worst
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_tracked_emas_follow_the_papers_power_function_over_a_training_run(device, model_dtype):
+    model = net(model_dtype, device)
+    sigma_rels = (0.05, 0.10, 0.2)
+    ph = PostHocEma(model, sigma_rels)
+    refs = [PowerEma(model, gamma_of(s)) for s in sigma_rels]
+    assert [ema.state_dict()["weights"]["0.weight"].dtype for ema in ph.emas] == [torch.float32] * 3
+
+    def step(t):
+        ph.update(model)
+        for ref in refs:
+            ref.update(model, t)
+
+    train(model, 60, step, device=device)
+    for k, (ema, ref) in enumerate(zip(ph.emas, refs)):
+        assert ph.gammas[k] == pytest.approx(ref.gamma, rel=1e-9)
+        assert max_rel_error(ema, ref) < 1e-5, f"EMA {k} (sigma_rel {sigma_rels[k]})"
+    assert ph.step == 60
+
+
+def test_equals_ema_pytorchs_karras_ema_where_its_settings_match():
+    ema_pytorch = pytest.importorskip("ema_pytorch")
+    model = net()
+    karras = ema_pytorch.KarrasEMA(model, sigma_rel=0.07, update_every=1)
+    ph = PostHocEma(model, (0.07,))
+    # KarrasEMA copies at its first update and then counts t from 3 (its beta is
+    # (1 - 1/(n + 1)) ** (gamma + 1) at update n); the same t through update(step=).
+    train(model, 40, lambda t: (karras.update(), ph.update(model, step=1 if t == 1 else t + 1)))
+    ours = ph.emas[0].state_dict()["weights"]
+    theirs = karras.ema_model.state_dict()
+    for name, value in theirs.items():
+        if value.is_floating_point():
+            assert torch.allclose(ours[name], value, rtol=1e-6, atol=1e-6), name
+    assert ph.gammas[0] == pytest.approx(karras.gamma, rel=1e-9)
+
+
+def test_one_update_reads_the_model_once_for_every_ema(monkeypatch):
+    """The tracks update through one lerp_many_ call per device, not one lerp_ per EMA."""
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1, 0.15, 0.2))
+    calls = []
+    import fused_ema._update.plan as plan
+
+    real_many, real_lerp = plan.lerp_many_, plan.lerp_
+
+    def many(emas, src, weights, **kw):
+        calls.append(("many", len(emas), len(src)))
+        return real_many(emas, src, weights, **kw)
+
+    def lerp(*args, **kw):
+        calls.append(("lerp",))
+        return real_lerp(*args, **kw)
+
+    monkeypatch.setattr(plan, "lerp_many_", many)
+    monkeypatch.setattr(plan, "lerp_", lerp)
+    train(model, 3, lambda t: ph.update(model))
+    n_float = sum(1 for v in model.state_dict().values() if v.is_floating_point())
+    assert calls == [("many", 4, n_float)] * 3
+
+
+def test_a_track_cannot_update_alone_and_the_tracks_stay_in_step():
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1))
+    ph.update(model)
+    before = [e.state_dict()["weights"]["0.weight"].clone() for e in ph.emas]
+    with pytest.raises(RuntimeError, match="PostHocEma"):
+        ph.emas[1].update(model)
+    assert [e.step for e in ph.emas] == [1, 1]
+    assert all(
+        torch.equal(b, e.state_dict()["weights"]["0.weight"]) for b, e in zip(before, ph.emas)
+    )
+
+
+def test_snapshots_are_written_every_n_updates_with_their_metadata(tmp_path):
+    from safetensors import safe_open
+
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=4, snapshot_dir=tmp_path)
+    train(model, 10, lambda t: ph.update(model))
+    ph.synchronize()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [f"{i:06d}-ema{k}.safetensors" for i in range(2) for k in range(2)]
+    with safe_open(str(tmp_path / "000001-ema1.safetensors"), "pt") as f:
+        meta = f.metadata()
+        assert int(meta["step"]) == 8 and int(meta["ema_index"]) == 1 and int(meta["index"]) == 1
+        assert float(meta["gamma"]) == pytest.approx(ph.gammas[1])
+        assert f.get_tensor("0.weight").dtype == torch.float16
+        assert f.get_tensor("1.num_batches_tracked").dtype == torch.int64
+    ph.close()
+
+
+def test_the_last_snapshot_holds_the_ema_of_its_step(tmp_path):
+    from safetensors.torch import load_file
+
+    model = net()
+    ph = PostHocEma(model, (0.1,), snapshot_every=5, snapshot_dir=tmp_path, snapshot_dtype=None)
+    train(model, 10, lambda t: ph.update(model))
+    ph.synchronize()
+    saved = load_file(str(tmp_path / "000001-ema0.safetensors"))
+    for name, value in ph.emas[0].state_dict()["weights"].items():
+        assert torch.equal(saved[name], value), name
+
+
+def test_a_fresh_run_refuses_a_folder_with_another_runs_snapshots_and_changes_nothing(tmp_path):
+    model = net()
+    first = PostHocEma(model, (0.1,), snapshot_every=2, snapshot_dir=tmp_path)
+    train(model, 4, lambda t: first.update(model))
+    first.close()
+    second = PostHocEma(model, (0.1,), snapshot_every=2, snapshot_dir=tmp_path)
+    second.update(model)
+    before = second.emas[0].state_dict()["weights"]["0.weight"].clone()
+    with pytest.raises(RuntimeError, match="already holds 2 snapshots"):
+        second.update(model)
+    assert second.step == 1
+    assert torch.equal(before, second.emas[0].state_dict()["weights"]["0.weight"])
+
+
+def test_a_resumed_run_continues_bit_for_bit_and_continues_the_numbering(tmp_path):
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=3, snapshot_dir=tmp_path / "a")
+    train(model, 7, lambda t: ph.update(model))
+    checkpoint = copy.deepcopy(ph.state_dict())
+    model_state = copy.deepcopy(model.state_dict())
+    train(model, 5, lambda t: ph.update(model), seed=9)
+    ph.synchronize()
+
+    model2 = net()
+    model2.load_state_dict(model_state)
+    resumed = PostHocEma(model2, (0.05, 0.1), snapshot_every=3, snapshot_dir=tmp_path / "a")
+    resumed.load_state_dict(checkpoint)
+    assert resumed.step == 7
+    train(model2, 5, lambda t: resumed.update(model2), seed=9)
+    resumed.synchronize()
+    for a, b in zip(ph.emas, resumed.emas):
+        for name, value in a.state_dict()["weights"].items():
+            assert torch.equal(value, b.state_dict()["weights"][name]), name
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == [f"{i:06d}-ema{k}.safetensors" for i in range(4) for k in range(2)]
+
+
+def test_a_damaged_checkpoint_is_refused_whole_and_changes_nothing():
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1))
+    train(model, 3, lambda t: ph.update(model))
+    good = ph.state_dict()
+    other = PostHocEma(model, (0.05, 0.1))
+    other.update(model)
+    before = [copy.deepcopy(e.state_dict()) for e in other.emas]
+    bad = copy.deepcopy(good)
+    bad["emas"][1]["weights"]["0.weight"] = torch.zeros(3, 3)  # the second EMA's is wrong
+    with pytest.raises(CheckpointError, match="ema 1"):
+        other.load_state_dict(bad)
+    wrong_gammas = copy.deepcopy(good)
+    wrong_gammas["gammas"] = [1.0, 2.0]
+    with pytest.raises(CheckpointError, match="gammas"):
+        other.load_state_dict(wrong_gammas)
+    with pytest.raises(CheckpointError, match="PostHocEma"):
+        other.load_state_dict(good["emas"][0])
+    for b, e in zip(before, other.emas):
+        assert e.step == 1
+        for name, value in b["weights"].items():
+            assert torch.equal(value, e.state_dict()["weights"][name]), name
+
+
+def test_inside_a_parent_modules_state_dict_it_round_trips():
+    class Holder(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            self.ema = PostHocEma(model, (0.05, 0.1))
+
+    model = net()
+    holder = Holder(model)
+    train(model, 4, lambda t: holder.ema.update(model))
+    state = holder.state_dict()
+    assert "ema.ema1.weights.0.weight" in state and "ema.snapshot_index" in state
+    other = Holder(net())
+    other.load_state_dict(state)
+    for a, b in zip(holder.ema.emas, other.ema.emas):
+        assert a.step == b.step == 4
+        assert torch.equal(a.state_dict()["weights"]["3.bias"], b.state_dict()["weights"]["3.bias"])
+
+
+def test_bad_arguments_are_refused_clearly():
+    model = net()
+    with pytest.raises(ValueError, match="gamma"):
+        PostHocEma(model, gammas=(-2.0,))
+    with pytest.raises(ValueError, match="at least one"):
+        PostHocEma(model, ())
+    with pytest.raises(ValueError, match="snapshot_every"):
+        PostHocEma(model, snapshot_every=0)
+    with pytest.raises(ValueError, match="snapshot_dtype"):
+        PostHocEma(model, snapshot_dtype=torch.int8)
+
+
+def test_a_copy_keeps_its_tracks_updating_together():
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1))
+    ph.update(model)
+    twin = copy.deepcopy(ph)
+    train(model, 2, lambda t: (ph.update(model), twin.update(model)))
+    for a, b in zip(ph.emas, twin.emas):
+        assert b.step == 3
+        assert torch.equal(
+            a.state_dict()["weights"]["0.weight"], b.state_dict()["weights"]["0.weight"]
+        )
+
+
+def test_non_blocking_updates_and_their_snapshots_equal_blocking_ones(tmp_path):
+    from safetensors.torch import load_file
+
+    model = net()
+    blocking = PostHocEma(model, (0.05, 0.1), snapshot_every=3, snapshot_dir=tmp_path / "b")
+    later = PostHocEma(model, (0.05, 0.1), snapshot_every=3, snapshot_dir=tmp_path / "n")
+    train(model, 9, lambda t: (blocking.update(model), later.update(model, non_blocking=True)))
+    later.synchronize()
+    blocking.synchronize()
+    for a, b in zip(blocking.emas, later.emas):
+        for name, value in a.state_dict()["weights"].items():
+            assert torch.equal(value, b.state_dict()["weights"][name]), name
+    for i in range(3):
+        for k in range(2):
+            a = load_file(str(tmp_path / "b" / f"{i:06d}-ema{k}.safetensors"))
+            b = load_file(str(tmp_path / "n" / f"{i:06d}-ema{k}.safetensors"))
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_snapshot_that_cannot_be_written_is_reported_by_the_next_call(tmp_path, monkeypatch):
+    import fused_ema.posthoc.writer as writer
+
+    def broken(path, tensors, metadata):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(writer, "write_snapshot", broken)
+    model = net()
+    ph = PostHocEma(model, (0.1,), snapshot_every=1, snapshot_dir=tmp_path)
+    ph.update(model)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ph.synchronize()
+    assert not any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
+
+
+def test_a_compiled_training_step_updates_every_ema_and_still_writes_snapshots(tmp_path):
+    model = net()
+    eager_model = copy.deepcopy(model)
+    compiled_ema = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
+    eager_ema = PostHocEma(eager_model, (0.05, 0.1))
+
+    @torch.compile(backend="eager")
+    def update(m):
+        compiled_ema.update(m)
+
+    def step(t):
+        update(model)
+        eager_model.load_state_dict(model.state_dict())
+        eager_ema.update(eager_model)
+
+    train(model, 4, step)
+    compiled_ema.synchronize()
+    for a, b in zip(compiled_ema.emas, eager_ema.emas):
+        assert a.step == b.step == 4
+        for name, value in b.state_dict()["weights"].items():
+            assert torch.equal(value, a.state_dict()["weights"][name]), name
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4
