@@ -343,3 +343,18 @@ def test_a_compiled_training_step_updates_every_ema_and_still_writes_snapshots(t
         for name, value in b.state_dict()["weights"].items():
             assert torch.equal(value, a.state_dict()["weights"][name]), name
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
+
+
+def test_every_track_follows_a_structure_change_or_refuses_it_whole():
+    model = net()
+    strict = PostHocEma(model, (0.05, 0.1))
+    following = PostHocEma(model, (0.05, 0.1), on_mismatch="resync")
+    train(model, 2, lambda t: (strict.update(model), following.update(model)))
+    model.append(nn.Linear(3, 2))  # a new head
+    with pytest.raises(fused_ema.StructureMismatchError):
+        strict.update(model)
+    assert [e.step for e in strict.emas] == [2, 2]
+    following.update(model)
+    for ema in following.emas:
+        assert ema.step == 3
+        assert torch.equal(ema.state_dict()["weights"]["4.weight"], model[4].weight)

@@ -17,8 +17,7 @@ from ..checkpoint import read_file
 from ..ema import ModelEma
 from ..errors import CheckpointError
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
-from .snapshots import clean_temporary_files, next_index, snapshot_metadata, snapshot_path
-from .writer import SnapshotWriter
+from .snapshotting import Snapshots
 
 FORMAT = "fused_ema.posthoc"
 FORMAT_VERSION = 1
@@ -73,15 +72,14 @@ class PostHocEma(nn.Module):
         super().__init__()
         self.gammas = _gammas(sigma_rels, gammas)
         self.sigma_rels = tuple(gamma_to_sigma_rel(g) for g in self.gammas)
-        self.snapshot_every = whole_number("snapshot_every", snapshot_every, 1)
-        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        every = whole_number("snapshot_every", snapshot_every, 1)
         if snapshot_dtype is not None and not (
             isinstance(snapshot_dtype, torch.dtype) and snapshot_dtype.is_floating_point
         ):
             raise ValueError(
                 f"snapshot_dtype must be a floating dtype or None, got {snapshot_dtype!r}"
             )
-        self.snapshot_dtype = snapshot_dtype
+        self._snapshots = Snapshots(snapshot_dir, every, snapshot_dtype)
         seed = whole_number(
             "stochastic_rounding_seed", stochastic_rounding_seed, -(2**63), _UINT64 - 1
         )
@@ -105,17 +103,13 @@ class PostHocEma(nn.Module):
             for k, gamma in enumerate(self.gammas)
         )
         self._update_after_step = update_after_step
-        self._next_snapshot = 0  # the index of the next snapshot
-        self._resumed = False  # restored from a checkpoint: may replace later snapshots
         self._init_transient()
 
     def _init_transient(self) -> None:
         leader = self._tracks[0]._updater
         for track in self._tracks[1:]:
             track._updater.follow(leader, track)
-        self._writer = SnapshotWriter()
         self._t = 0 if self._tracks[0]._schedule.value() == 0 else None  # updates, if known
-        self._dir_checked = False
 
     # ------------------------------------------------------------------ the EMAs
 
@@ -134,6 +128,18 @@ class PostHocEma(nn.Module):
     def step(self) -> int:
         return self._tracks[0].step
 
+    @property
+    def snapshot_dir(self) -> Path | None:
+        return self._snapshots.folder
+
+    @property
+    def snapshot_every(self) -> int:
+        return self._snapshots.every
+
+    @property
+    def snapshot_dtype(self) -> torch.dtype | None:
+        return self._snapshots.dtype
+
     # ------------------------------------------------------------------ updating
 
     def update(self, model: nn.Module, step=None, non_blocking: bool = False) -> None:
@@ -145,23 +151,23 @@ class PostHocEma(nn.Module):
             if self.snapshot_dir is not None:
                 self._after_compiled_update()  # a graph break: snapshots run eagerly
             return
-        self._writer.wait_staged()
-        self._writer.raise_failure()
+        snapshots = self._snapshots
+        snapshots.writer.wait_staged()
+        snapshots.writer.raise_failure()
         t = self._updates_after(step)
-        due = self.snapshot_dir is not None and t is not None and t > 0
-        due = due and t % self.snapshot_every == 0
+        due = snapshots.due(t)
         if due:
-            self._check_dir()
+            snapshots.check_folder()
         try:
             leader.update(model, step, non_blocking)
         except BaseException:
             self._t = None
             raise
-        if t is None and self.snapshot_dir is not None:
+        if t is None and snapshots.folder is not None:
             t = leader._schedule.value() - self._update_after_step  # reads the counter
-            due = t > 0 and t % self.snapshot_every == 0
+            due = snapshots.due(t)
             if due:
-                self._check_dir()
+                snapshots.check_folder()
         self._t = t
         if due:
             self._snapshot(t)
@@ -170,8 +176,8 @@ class PostHocEma(nn.Module):
     def _after_compiled_update(self) -> None:
         t = self._tracks[0]._schedule.value() - self._update_after_step
         self._t = None
-        if t > 0 and t % self.snapshot_every == 0:
-            self._check_dir()
+        if self._snapshots.due(t):
+            self._snapshots.check_folder()
             self._snapshot(t)
 
     def _updates_after(self, step):
@@ -185,7 +191,7 @@ class PostHocEma(nn.Module):
     def synchronize(self) -> None:
         """Waits for a non_blocking update and for every snapshot submitted to be written."""
         self._tracks[0].synchronize()
-        self._writer.flush()
+        self._snapshots.writer.flush()
 
     def resync(self, model: nn.Module) -> None:
         """ModelEma.resync for every tracked EMA."""
@@ -207,51 +213,12 @@ class PostHocEma(nn.Module):
         if self.snapshot_dir is None:
             raise ValueError("PostHocEma.save_snapshot: this PostHocEma has no snapshot_dir")
         self._tracks[0].synchronize()
-        self._check_dir()
+        self._snapshots.check_folder()
         self._snapshot(self._tracks[0].step - self._update_after_step)
 
-    def _check_dir(self) -> None:
-        """A fresh PostHocEma never overwrites another run's snapshots (checked by the rank that
-        writes them: the others may already see its files)."""
-        if self._dir_checked or not _writing_rank():
-            return
-        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        clean_temporary_files(self.snapshot_dir)  # left by a writer killed mid-write
-        found = next_index(self.snapshot_dir)
-        if found > self._next_snapshot and not self._resumed:
-            raise RuntimeError(
-                f"fused_ema.PostHocEma: {str(self.snapshot_dir)!r} already holds {found} snapshots "
-                "of another run; pass an empty snapshot_dir, or load this run's checkpoint "
-                "(load_state_dict) to continue its numbering"
-            )
-        self._dir_checked = True
-
     def _snapshot(self, t: int) -> None:
-        index = self._next_snapshot
-        self._next_snapshot += 1
-        jobs = []
-        for k, track in enumerate(self._tracks):
-            tensors = _snapshot_tensors(track)
-            if tensors is None:
-                continue  # another rank writes
-            entries = track._binding.table.entries
-            copied = [
-                n for e in entries if not e.average for n in e.names if e.ema.is_floating_point()
-            ]
-            metadata = snapshot_metadata(
-                step=t,
-                gamma=self.gammas[k],
-                sigma_rel=self.sigma_rels[k],
-                index=index,
-                ema_index=k,
-                names=list(tensors),
-                dtypes={n: v.dtype for n, v in tensors.items()},
-                copied=copied,
-            )
-            path = snapshot_path(self.snapshot_dir, index, k)
-            jobs.append((path, tensors, metadata, self.snapshot_dtype))
-        if jobs:
-            self._writer.submit(jobs, self._tracks[0]._updater.runner.job())
+        wait_for = self._tracks[0]._updater.runner.job()
+        self._snapshots.take(self._tracks, self.gammas, self.sigma_rels, t, wait_for)
 
     def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
         """fused_ema.posthoc.synthesize over this run's snapshots (once they are written)."""
@@ -264,8 +231,8 @@ class PostHocEma(nn.Module):
 
     def close(self) -> None:
         """Writes what is pending and stops the snapshot thread."""
-        self._writer.flush()
-        self._writer.close()
+        self._snapshots.writer.flush()
+        self._snapshots.writer.close()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -280,7 +247,7 @@ class PostHocEma(nn.Module):
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
                 "gammas": list(self.gammas),
-                "snapshot_index": self._next_snapshot,
+                "snapshot_index": self._snapshots.next_index,
                 "snapshot_every": self.snapshot_every,
                 "emas": [track.state_dict() for track in self._tracks],
             }
@@ -288,7 +255,7 @@ class PostHocEma(nn.Module):
             destination = track.state_dict(
                 destination=destination, prefix=f"{prefix}ema{k}.", keep_vars=keep_vars
             )
-        destination[prefix + "snapshot_index"] = torch.tensor(self._next_snapshot)
+        destination[prefix + "snapshot_index"] = torch.tensor(self._snapshots.next_index)
         return destination
 
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
@@ -314,8 +281,7 @@ class PostHocEma(nn.Module):
             except CheckpointError as err:
                 raise CheckpointError([f"ema {k}: {p}" for p in err.problems], source) from None
         results = [track._state.apply(*p) for track, p in zip(self._tracks, prepared)]
-        self._next_snapshot = state["snapshot_index"]
-        self._resumed, self._dir_checked = True, False
+        self._snapshots.restore(state["snapshot_index"])
         self._t = None
         return results[0]
 
@@ -357,14 +323,10 @@ class PostHocEma(nn.Module):
         if ok:
             for track, prepared in zip(self._tracks, ready):
                 track._state.apply(*prepared)
-            self._next_snapshot = int(state_dict[index_key])
-            self._resumed, self._dir_checked, self._t = True, False, None
+            self._snapshots.restore(int(state_dict[index_key]))
+            self._t = None
 
     # ------------------------------------------------------------------ copies and pickling
-
-    def __getstate__(self) -> dict:
-        self._writer.flush()
-        return {k: v for k, v in self.__dict__.items() if k not in ("_writer",)}
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)
@@ -393,27 +355,6 @@ def _gammas(sigma_rels, gammas) -> tuple[float, ...]:
     if not out:
         raise ValueError("PostHocEma: track at least one EMA")
     return out
-
-
-def _snapshot_tensors(track: ModelEma) -> dict | None:
-    """The EMA's tensors by name for a snapshot, or None on a rank that does not write."""
-    sharded = track._binding.policy.shard is not None
-    if sharded:
-        full = track.full_state_dict(rank=0, cpu_offload=False)
-        return full or None
-    if not _writing_rank():
-        return None
-    out = {}
-    for entry in track._binding.table.entries:
-        for name in entry.names:
-            out[name] = entry.ema.detach()
-    return out
-
-
-def _writing_rank() -> bool:
-    """Under torch.distributed, rank 0 writes the snapshots (every rank holds the same EMAs)."""
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _format_problems(state, gammas) -> list[str]:
