@@ -49,8 +49,16 @@ def sigma_rels(k: int) -> list[float]:
     return [0.05 + 0.1 * i / max(1, k - 1) for i in range(k)]
 
 
-def contenders(shape: str, k: int, folder: Path) -> tuple[dict, dict]:
-    model = Params(SHAPES[shape])
+def scaled(shape: str, scale: float) -> list[int]:
+    """The shape's tensor sizes, the large ones' elements or the small ones' count scaled."""
+    numels = SHAPES[shape]
+    if shape == "large":
+        return [max(1, int(n * scale)) for n in numels]
+    return numels[: max(1, int(len(numels) * scale))]
+
+
+def contenders(shape: str, k: int, folder: Path, scale: float) -> tuple[dict, dict]:
+    model = Params(scaled(shape, scale))
     src = [p.detach() for p in model.p]
     emas = [[s.clone() for s in src] for _ in range(k)]
     weights = [0.01 * (i + 1) for i in range(k)]
@@ -64,6 +72,11 @@ def contenders(shape: str, k: int, folder: Path) -> tuple[dict, dict]:
     unavailable = {}
     try:
         ema_pytorch = load_ema_pytorch()
+        # PostHocEMA needs two EMAs at least: one is its KarrasEMA.
+        peer = ema_pytorch.KarrasEMA(model, sigma_rel=sigma_rels(k)[0], update_every=1)
+        if k == 1:
+            steps["ema-pytorch PostHocEMA"] = peer.update
+            return steps, unavailable
         peer = ema_pytorch.PostHocEMA(
             model,
             sigma_rels=tuple(sigma_rels(k)),
@@ -77,17 +90,17 @@ def contenders(shape: str, k: int, folder: Path) -> tuple[dict, dict]:
     return steps, unavailable
 
 
-def measure_updates(ks: list[int], rounds: int, folder: Path, bar) -> list[dict]:
+def measure_updates(ks: list[int], rounds: int, folder: Path, bar, scale: float) -> list[dict]:
     rows = []
     for shape in SHAPES:
         for k in ks:
-            steps, unavailable = contenders(shape, k, folder)
+            steps, unavailable = contenders(shape, k, folder, scale)
             with torch.no_grad():
                 samples = interleaved(steps, rounds, 3, synchronizer("cpu"), bar.update)
             row = {
                 "shape": shape,
                 "k": k,
-                "elements": sum(SHAPES[shape]),
+                "elements": sum(scaled(shape, scale)),
                 "unavailable": unavailable,
             }
             for name, times in samples.items():
@@ -149,7 +162,8 @@ def markdown(record: dict) -> str:
         f"# Post-hoc EMA updates, {m['cpu']} ({m['threads']} threads), torch {m['torch']}, "
         f"Python {m['python']}, {m['date']}",
         "",
-        "Median ms per update of K EMAs (interleaved rounds); ratios are speed-ups.",
+        "Median ms per update of K EMAs (interleaved rounds); ratios are speed-ups. At K = 1 the "
+        "ema-pytorch column is its KarrasEMA (PostHocEMA needs 2 EMAs at least).",
         "",
         "| model | K | lerp_many_ | K x lerp_ | PostHocEma.update | ema-pytorch PostHocEMA "
         "| lerp_many_ vs K lerp_ | PostHocEma vs ema-pytorch |",
@@ -221,17 +235,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--snapshot-steps", type=int, default=100, help="steps per timed block")
     parser.add_argument("--snapshot-blocks", type=int, default=8)
+    parser.add_argument("--scale", type=float, default=1.0, help="model size factor (tests)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",") if k]
-    record = {"machine": report.machine(["cpu"]), "rounds": args.rounds}
+    record = {"machine": report.machine(["cpu"]), "rounds": args.rounds, "scale": args.scale}
     record["gammas"] = {k: [sigma_rel_to_gamma(s) for s in sigma_rels(k)] for k in ks}
     total = len(SHAPES) * len(ks) * args.rounds + args.snapshot_blocks
     with (
         tempfile.TemporaryDirectory() as tmp,
         tqdm(total=total, desc="posthoc", leave=False) as bar,
     ):
-        record["updates"] = measure_updates(ks, args.rounds, Path(tmp), bar)
+        record["updates"] = measure_updates(ks, args.rounds, Path(tmp), bar, args.scale)
         record["snapshots"] = measure_snapshots(
             args.snapshot_steps, args.snapshot_blocks, Path(tmp), bar
         )

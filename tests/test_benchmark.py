@@ -123,6 +123,25 @@ def test_overhead_benchmark_runs(tmp_path):
     assert all(f"{name}: n/a: no walk cache" in written for name in missing)
 
 
+def test_posthoc_benchmark_runs_at_tiny_size(tmp_path):
+    from benchmarks import posthoc
+
+    args = ["--ks", "1,2", "--rounds", "1", "--scale", "0.001", "--snapshot-steps", "3"]
+    args += ["--snapshot-blocks", "2", "--out", str(tmp_path)]
+    record = posthoc.main(args)
+    assert [(r["shape"], r["k"]) for r in record["updates"]] == [
+        ("large", 1),
+        ("large", 2),
+        ("small", 1),
+        ("small", 2),
+    ]
+    for row in record["updates"]:
+        for name in ("lerp_many_", "K x lerp_", "PostHocEma.update"):
+            assert row[name]["median_ms"] > 0, name
+    assert record["snapshots"]["no snapshots"]["median_ms"] > 0
+    assert sorted(p.suffix for p in tmp_path.glob("posthoc_*")) == [".json", ".md", ".png"]
+
+
 def test_accuracy_benchmark_runs_at_tiny_size(tmp_path):
     from benchmarks import accuracy, peers
 
