@@ -69,6 +69,15 @@ if ! fused_ema_torch_is; then
 fi
 fused_ema_torch_version=$(python -c "import torch; print(torch.__version__)" 2>/dev/null)
 
+# fused_ema_pinned NAME==VERSION...: whether each package is installed at exactly that version.
+fused_ema_pinned() {
+  python -c "
+import importlib.metadata as m, sys
+want = dict(r.split('==') for r in sys.argv[1:])
+assert all(m.version(name) == version for name, version in want.items())
+" "$@" >/dev/null 2>&1
+}
+
 # The rest is checked and installed (what is missing) once per venv and version of this script.
 fused_ema_setup_stamp=$( (cat "$FUSED_EMA_ROOT/.ci/env.sh"; echo "$fused_ema_python"
   echo "$fused_ema_torch_version") | sha256sum | cut -c1-16)
@@ -107,18 +116,26 @@ if [ "$(cat "$fused_ema_setup_stamp_file" 2>/dev/null)" != "$fused_ema_setup_sta
   fused_ema_framework_deps="huggingface-hub>=1.32.0,<3.0 tokenizers>=0.23.1,<0.24.0
     regex>=2025.10.22 safetensors>=0.8.0 typer pyyaml psutil requests importlib-metadata"
   # shellcheck disable=SC2086
-  if ! python -c "
-import importlib.metadata as m, sys
-want = dict(r.split('==') for r in sys.argv[1:])
-assert all(m.version(name) == version for name, version in want.items())
+  if ! fused_ema_pinned $fused_ema_frameworks || ! python -c "
 import huggingface_hub, tokenizers, safetensors, regex, typer, yaml, psutil, requests
-" $fused_ema_frameworks >/dev/null 2>&1; then
+" >/dev/null 2>&1; then
     fused_ema_log "installing lightning, transformers, accelerate, diffusers (torch left as is)"
     # shellcheck disable=SC2086
     { python -m pip install -q --no-deps $fused_ema_frameworks \
         && python -m pip install -q $fused_ema_framework_deps; } \
       || fused_ema_log "could not install lightning/transformers/accelerate/diffusers:" \
         "those tests will be skipped"
+  fi
+  # The documentation site's tools (pyproject's docs extra, the same pins): tests/test_docs.py
+  # builds the site strictly, and fails in CI without them. None of them needs torch.
+  fused_ema_docs_tools="mkdocs==1.6.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
+    griffelib==2.4.1 pymdown-extensions==13.1.2"
+  # shellcheck disable=SC2086
+  if ! fused_ema_pinned $fused_ema_docs_tools; then
+    fused_ema_log "installing the documentation tools (mkdocs, mkdocstrings-python)"
+    # shellcheck disable=SC2086
+    python -m pip install -q $fused_ema_docs_tools \
+      || fused_ema_log "could not install the docs tools: tests/test_docs.py fails in CI"
   fi
   echo "$fused_ema_setup_stamp" >"$fused_ema_setup_stamp_file"
 fi

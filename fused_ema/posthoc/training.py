@@ -44,9 +44,9 @@ class PostHocEma(nn.Module):
             folder that holds snapshots already; one restored by load_state_dict continues its
             numbering (and replaces snapshots written after that checkpoint).
         snapshot_dtype: the dtype of float tensors in snapshots (None: the EMA's own).
-        device, dtype, buffers, update_after_step, stochastic_rounding, stochastic_rounding_seed,
-        on_mismatch, copy_names, ignore_names, shard: as ModelEma (EMA k rounds with seed
-        ``stochastic_rounding_seed + k``).
+        device, dtype, buffers, update_after_step, on_mismatch, copy_names: as ModelEma.
+        ignore_names, shard, stochastic_rounding, stochastic_rounding_seed: as ModelEma (EMA k
+            rounds with seed ``stochastic_rounding_seed + k``).
     """
 
     def __init__(
