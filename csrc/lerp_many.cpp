@@ -56,9 +56,9 @@ void check_runner(Runner runner, const DevicePlan& plan, const TrackWeights& wei
 }
 
 // Leaves out the pairs of tracks whose host weight is 0: they would leave every value as it is,
-// and lerp_ touches no memory for them either. Then orders the pairs by tensor, tracks in order:
-// the planner added them so, but put its stand-ins last.
-void group_by_tensor(DevicePlan& plan, size_t tensors, const TrackWeights& weights) {
+// and lerp_ touches no memory for them either. Then groups the pairs by tensor (the planner added
+// them track by track), each tensor's in the order they had.
+void group_by_tensor(DevicePlan& plan, size_t tensors, size_t tracks, const TrackWeights& weights) {
   std::vector<FlatPair>& pairs = plan.pairs;
   const TrackIndex at(tensors);
   const std::vector<double>& values = weights.values;
@@ -67,13 +67,24 @@ void group_by_tensor(DevicePlan& plan, size_t tensors, const TrackWeights& weigh
                                [&](const FlatPair& p) { return values[at.track(p.index)] == 0.0; }),
                 pairs.end());
   }
-  if (!plan.stand_ins.empty()) {
-    std::sort(pairs.begin(), pairs.end(), [&](const FlatPair& a, const FlatPair& b) {
-      const uint32_t ta = at.tensor(a.index);
-      const uint32_t tb = at.tensor(b.index);
-      return ta != tb ? ta < tb : a.index < b.index;
-    });
+  if (tracks < 2 || pairs.size() < 2) {
+    return;
   }
+  Scratch<uint32_t, 0> starts_scratch;
+  std::vector<uint32_t>& starts = starts_scratch.vec;
+  starts.assign(tensors + 1, 0);
+  for (const FlatPair& pair : pairs) {
+    ++starts[at.tensor(pair.index) + 1];
+  }
+  for (size_t i = 0; i < tensors; ++i) {
+    starts[i + 1] += starts[i];
+  }
+  Scratch<FlatPair, 0> grouped;
+  grouped.vec.resize(pairs.size());
+  for (const FlatPair& pair : pairs) {
+    grouped.vec[starts[at.tensor(pair.index)]++] = pair;
+  }
+  pairs.swap(grouped.vec);
 }
 
 }  // namespace
@@ -127,7 +138,7 @@ void check_tracks_runnable(const DevicePlan& plan, const TrackWeights& weights) 
 void run_track_plans(std::vector<DevicePlan> plans, size_t tensors, const TrackWeights& weights) {
   RECORD_FUNCTION("fused_ema::lerp_many_", std::vector<c10::IValue>());
   for (DevicePlan& plan : plans) {
-    group_by_tensor(plan, tensors, weights);
+    group_by_tensor(plan, tensors, weights.tracks(), weights);
     runners()[static_cast<size_t>(plan.device.type())](plan, tensors, weights);
   }
 }
@@ -176,7 +187,7 @@ void lerp_many_stochastic(TensorRefs emas, TensorRefs src, const at::Tensor& wei
       });
   const TrackRounding rounding{seeds, step_arg.value, step_arg.tensor, keys, offsets};
   for (DevicePlan& plan : plans) {
-    group_by_tensor(plan, tensors, checked);
+    group_by_tensor(plan, tensors, tracks, checked);
     stochastic_runners()[static_cast<size_t>(plan.device.type())](plan, tensors, checked, rounding);
   }
 }

@@ -21,6 +21,10 @@ namespace fused_ema {
 struct TrackWeights {
   std::vector<double> values;
   const at::Tensor* device_tensor = nullptr;
+
+  size_t tracks() const {
+    return device_tensor != nullptr ? static_cast<size_t>(device_tensor->numel()) : values.size();
+  }
 };
 
 // lerp_many_stochastic_'s rounding arguments: track k's tensor i rounds as lerp_stochastic_ with
@@ -54,7 +58,7 @@ class TrackIndex {
 };
 
 // A runner receives one device's pairs, track k's tensor i as FlatPair::index k * tensors + i,
-// grouped by tensor: the pairs of tensor i follow each other, tracks in increasing order.
+// grouped by tensor: the pairs of tensor i follow each other.
 using TracksRunner = void (*)(const DevicePlan& plan, size_t tensors, const TrackWeights& weights);
 using StochasticTracksRunner = void (*)(const DevicePlan& plan, size_t tensors,
                                         const TrackWeights& weights, const TrackRounding& rounding);

@@ -364,15 +364,14 @@ std::vector<DevicePlan> plan_lerp_many(TensorRefs emas, TensorRefs src, bool row
   TORCH_INTERNAL_ASSERT(tracks * tensors == emas.size());
   LerpPlanner planner(emas.size(), row_major, {"fused_ema.lerp_many_: ", tensors});
   const bool far = tensors >= kPrefetchFrom;
-  for (size_t i = 0; i < tensors; ++i) {
-    if (far) {
-      prefetch_ahead(src, i);
-    }
-    for (size_t k = 0; k < tracks; ++k) {
+  for (size_t k = 0; k < tracks; ++k) {
+    const TensorRefs track = emas.slice(k * tensors, tensors);
+    for (size_t i = 0; i < tensors; ++i) {
       if (far) {
-        prefetch_ahead(emas.slice(k * tensors, tensors), i);
+        prefetch_ahead(track, i);
+        prefetch_ahead(src, i);
       }
-      planner.add(*emas[k * tensors + i], *src[i], k * tensors + i);
+      planner.add(*track[i], *src[i], k * tensors + i);
     }
   }
   return planner.finish(check);

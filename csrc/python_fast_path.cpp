@@ -190,8 +190,8 @@ PyObject* python_lerp_eager(PyObject* /*module*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// As python_lerp_eager, over K lists of N EMA tensors and one list of N sources, planned tensor by
-// tensor (each src, then its EMAs of every track) as plan_lerp_many plans the dispatcher's lists.
+// As python_lerp_eager, over K lists of N EMA tensors and one list of N sources, planned track by
+// track as plan_lerp_many plans the dispatcher's lists.
 PyObject* python_lerp_many_eager(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* emas_list = nullptr;
@@ -227,27 +227,24 @@ PyObject* python_lerp_many_eager(PyObject* /*module*/, PyObject* args) {
   const bool far = n >= kPrefetchFrom;
   // A refused pair waits for the rest to be known plain and the weights checked (see above).
   std::exception_ptr refused;
-  for (size_t i = 0; i < n && !refused; ++i) {
-    if (far) {
-      prefetch_ahead(src, i, n);
-    }
-    owned.take(src[i]);
-    if (!plain_tensor(src[i])) {
-      Py_RETURN_FALSE;
-    }
-    for (size_t k = 0; k < tracks; ++k) {
+  for (size_t k = 0; k < tracks && !refused; ++k) {
+    for (size_t i = 0; i < n; ++i) {
       if (far) {
         prefetch_ahead(emas[k], i, n);
+        prefetch_ahead(src, i, n);
+      }
+      if (k == 0) {
+        owned.take(src[i]);
       }
       owned.take(emas[k][i]);
-      if (!plain_tensor(emas[k][i])) {
+      if (!plain_tensor(emas[k][i]) || !plain_tensor(src[i])) {
         Py_RETURN_FALSE;
       }
       try {
         planner.add(THPVariable_Unpack(emas[k][i]), THPVariable_Unpack(src[i]), k * n + i);
       } catch (const c10::Error&) {
-        for (size_t rest = 0; rest < tracks; ++rest) {
-          if (!all_plain(emas[rest], src, i + 1, n) || !plain_tensor(emas[rest][i])) {
+        for (size_t rest = k; rest < tracks; ++rest) {
+          if (!all_plain(emas[rest], src, rest == k ? i + 1 : 0, n)) {
             Py_RETURN_FALSE;
           }
         }

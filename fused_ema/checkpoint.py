@@ -179,6 +179,18 @@ def read_file(path) -> object:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def read_source(state, source: str) -> tuple[object, str]:
+    """A load_state_dict argument: a checkpoint as it is, or a path read with read_file; with the
+    name of where it came from, for errors. A file that cannot be read is a CheckpointError."""
+    if not isinstance(state, (str, os.PathLike)):
+        return state, source
+    source = f"checkpoint file {os.fspath(state)!r}"
+    try:
+        return read_file(state), source
+    except Exception as err:
+        raise CheckpointError([f"could not read it: {type(err).__name__}: {err}"], source) from err
+
+
 def _read_weights(path: str) -> dict:
     if path.endswith(".safetensors"):
         try:

@@ -398,13 +398,12 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 
 def _check_fake(ema: list, src: list, op: str = "fused_ema.lerp_: ", tensors: int = 0) -> None:
     """The metadata half of the C++ checks, so traced programs fail where eager ones would. With
-    `tensors` (lerp_many_'s N), `ema` holds tracks of N tensors one after another, checked tensor
-    by tensor as csrc/lerp_plan.cpp plans them."""
+    `tensors` (lerp_many_'s N), `ema` holds tracks of N tensors one after another."""
     if not tensors and len(ema) != len(src):
         raise ValueError(f"{op}ema has {len(ema)} tensors but src has {len(src)}")
     tracks = len(ema) // tensors if tensors else 1
-    for i, s in enumerate(src):
-        for k in range(tracks):
+    for k in range(tracks):
+        for i, s in enumerate(src):
             e = ema[k * tensors + i]
             name = f"emas[{k}][{i}]" if tensors else f"ema[{i}]"
             if e.device != s.device:

@@ -136,11 +136,6 @@ void run_stochastic_plan(const DevicePlan& plan, const LerpWeight& weight,
   plan.write_back();
 }
 
-size_t track_count(const TrackWeights& weights) {
-  return weights.device_tensor != nullptr ? static_cast<size_t>(weights.device_tensor->numel())
-                                          : weights.values.size();
-}
-
 // The weights of tracks [first, first + kMaxTracks).
 TrackWeightArgs track_weight_args(const TrackWeights& weights, size_t first) {
   const at::Tensor* t = weights.device_tensor;
@@ -156,7 +151,7 @@ void run_tracks_plan(const DevicePlan& plan, size_t tensors, const TrackWeights&
   const c10::cuda::CUDAGuard guard(plan.device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(plan.device.index()).stream();
   C10_CUDA_CHECK(for_each_track_launch<TrackEmas>(
-      plan.pairs.data(), plan.pairs.size(), tensors, track_count(weights),
+      plan.pairs.data(), plan.pairs.size(), tensors, weights.tracks(),
       [](TrackEmas& extra, int slot, const FlatPair& pair) { extra.ema[slot] = pair.ema; },
       [&](int kind, size_t first, const TensorRef* refs, const TrackEmas* extras, int64_t count) {
         return kTracksLaunchers[kind].launch(refs, extras, count, track_weight_args(weights, first),
@@ -172,7 +167,7 @@ void run_stochastic_tracks_plan(const DevicePlan& plan, size_t tensors, const Tr
   const StepArg step{rounding.step, rounding.step_tensor != nullptr
                                         ? rounding.step_tensor->const_data_ptr<int64_t>()
                                         : nullptr};
-  const size_t tracks = track_count(weights);
+  const size_t tracks = weights.tracks();
   C10_CUDA_CHECK(for_each_track_launch<SrTrackEmas>(
       plan.pairs.data(), plan.pairs.size(), tensors, tracks,
       [&](SrTrackEmas& extra, int slot, const FlatPair& pair) {

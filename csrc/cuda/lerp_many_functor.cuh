@@ -134,8 +134,8 @@ struct LerpManyStochasticOp {
   }
 };
 
-// The launches of lerp_many_'s pairs (lerp_many.h: grouped by tensor, tracks in increasing order;
-// FlatPair::index = track * tensors + tensor): in rounds of up to kMaxTracks tracks, and per round
+// The launches of lerp_many_'s pairs (lerp_many.h: grouped by tensor; FlatPair::index = track *
+// tensors + tensor): in rounds of up to kMaxTracks tracks, and per round
 // and dtype pair one entry per source with its tracks' EMAs (`fill(extra, slot, pair)` sets a
 // track's fields). Calls launch(kind, first_track, refs, extras, count) per non-empty group,
 // stopping at the first error. Host only; tests drive it with the emulated launch.

@@ -5,7 +5,6 @@ is checked and converted whole before its first write, so a failed one changes n
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import OrderedDict
 
@@ -15,7 +14,7 @@ from .._dist.gather import gather_full
 from .._ext.grad import without_grad
 from .._model.swap import copy_all
 from .._update.schedule import options_from_state, rounding_from_state
-from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_file
+from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_source
 from ..errors import CheckpointError, PrecisionWarning
 from . import nested_state
 
@@ -71,14 +70,7 @@ class EmaState:
         """Everything load_state_dict checks, reads and converts, before any write: `state` may
         be a file path; `step` overrides the checkpoint's. Returns (prepared, rounding)."""
         step = None if step is None else self.schedule.as_value(step)
-        if isinstance(state, (str, os.PathLike)):
-            source = f"checkpoint file {os.fspath(state)!r}"
-            try:
-                state = read_file(state)
-            except Exception as err:
-                raise CheckpointError(
-                    [f"could not read it: {type(err).__name__}: {err}"], source
-                ) from err
+        state, source = read_source(state, source)
         prepared = prepare_load(
             self.binding.table,
             state,

@@ -13,7 +13,7 @@ from torch import nn
 
 from .._model.walk import unwrap_model
 from .._update.schedule import POWER_FUNCTION, whole_number
-from ..checkpoint import read_file
+from ..checkpoint import read_source
 from ..ema import ModelEma
 from ..errors import CheckpointError
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
@@ -261,15 +261,7 @@ class PostHocEma(nn.Module):
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
         """Restores every EMA and the snapshot numbering from state_dict()'s dict (or a file),
         all or nothing: each EMA's checkpoint is checked and converted before any is written."""
-        source = "PostHocEma checkpoint"
-        if isinstance(state, (str, os.PathLike)):
-            source = f"checkpoint file {os.fspath(state)!r}"
-            try:
-                state = read_file(state)
-            except Exception as err:
-                raise CheckpointError(
-                    [f"could not read it: {type(err).__name__}: {err}"], source
-                ) from err
+        state, source = read_source(state, "PostHocEma checkpoint")
         self._tracks[0].synchronize()
         problems = _format_problems(state, self.gammas)
         if problems:
