@@ -358,3 +358,27 @@ def test_every_track_follows_a_structure_change_or_refuses_it_whole():
     for ema in following.emas:
         assert ema.step == 3
         assert torch.equal(ema.state_dict()["weights"]["4.weight"], model[4].weight)
+
+
+def test_an_interrupt_before_the_fused_write_leaves_every_track_as_it_was(monkeypatch):
+    import fused_ema._update.plan as plan
+
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1, 0.2))
+    train(model, 2, lambda t: ph.update(model))
+    before = [copy.deepcopy(e.state_dict()) for e in ph.emas]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan, "lerp_many_", interrupted)
+    train(model, 1, lambda t: None)
+    with pytest.raises(KeyboardInterrupt):
+        ph.update(model)
+    monkeypatch.undo()
+    for b, e in zip(before, ph.emas):
+        assert e.step == 2
+        for name, value in b["weights"].items():
+            assert torch.equal(value, e.state_dict()["weights"][name]), name
+    ph.update(model)  # and it goes on from there, every track at step 3
+    assert [e.step for e in ph.emas] == [3, 3, 3]
