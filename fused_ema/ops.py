@@ -380,11 +380,12 @@ def _check_schedule_tensors(step, out, config) -> None:
             f"{op}out must be 2 contiguous float64 elements (weight, decay), got "
             f"{_dtype_name(out)} of shape {list(out.shape)}"
         )
-    if config.dtype != torch.float64 or config.numel() != 8 or not config.is_contiguous():
+    if config.dtype != torch.float64 or config.numel() != 12 or not config.is_contiguous():
         raise ValueError(
-            f"{op}config must be 8 contiguous float64 elements (decay, min_decay, warmup_gamma, "
-            "warmup_power, update_after_step, update_every, warmup_kind, update_every_decay), "
-            f"got {_dtype_name(config)} of shape {list(config.shape)}"
+            f"{op}config must be 12 contiguous float64 elements (decay, min_decay, warmup_gamma, "
+            "warmup_power, update_after_step, update_every, warmup_kind, update_every_decay, lag, "
+            f"multiplier, ema_power, bias_power), got {_dtype_name(config)} of shape "
+            f"{list(config.shape)}"
         )
     if out.device != step.device:
         raise RuntimeError(f"{op}out is on {out.device} but step is on {step.device}")

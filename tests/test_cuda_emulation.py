@@ -339,7 +339,16 @@ def schedule_configs():
                 every,
                 kind,
                 plain,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
             ]
+        )
+    for kind, every, after in itertools.product((5, 6, 7), (1, 3), (0, 5)):
+        configs.append(
+            [1.0, rng.choice([0.0, 0.1]), 0.0, 1.0, after, every, kind, 0.0]
+            + [rng.choice([10.0, 0.0]), rng.uniform(0.5, 2.0), rng.uniform(0, 1), 8.0]
         )
     return configs
 
@@ -364,7 +373,7 @@ def test_schedule_kernel_body_matches_the_cpu_op(emu):
 
 def test_schedule_kernel_body_writes_weight_0_for_a_bad_config(emu):
     """The device cannot raise: a config the CPU op refuses gives weight 0 and decay NaN."""
-    config = torch.tensor([1.5, 0.0, 1.0, 1.0, 0, 1, NONE, 0], dtype=torch.float64)
+    config = torch.tensor([1.5, 0.0, 1.0, 1.0, 0, 1, NONE, 0, 0, 0, 0, 0], dtype=torch.float64)
     with pytest.raises(ValueError, match="decay"):
         torch.ops.fused_ema.ema_schedule_(
             torch.tensor(3), torch.zeros(2, dtype=torch.float64), config, True
