@@ -18,11 +18,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .._bema_tmp import bema_  # TEMP
 from .._dist.dtensor import is_dtensor, local, replica_cut, shard_offset
 from .._ext.loader import _C
 from .._model.tracking import EntryTable
-from ..ops import SUPPORTED_DTYPE_PAIRS, lerp_, lerp_many_, lerp_stochastic_
+from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochastic_
 
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
