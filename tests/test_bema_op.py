@@ -595,3 +595,31 @@ def test_fake_tensors_trace():
         lists[2][1] = torch.empty(3, 2)
         with pytest.raises(ValueError, match=r"src\[1\] has shape \[2, 3\] but out\[1\]"):
             OP.bema_(*lists, src, torch.tensor([0.1, 0.2, 0.3]))
+
+
+def test_dtensor_shards():
+    """An uneven Shard(0) DTensor on a fake 2-rank group, each rank in turn: each rank's update of
+    its shards equals the same rows of the whole tensors' update, bit for bit."""
+    dist = pytest.importorskip("torch.distributed")
+    tensor_api = pytest.importorskip("torch.distributed.tensor")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    targets, src = make_lists((torch.float32, torch.bfloat16), [(7, 3)], "cpu", seed=33)
+    whole = clone(targets)
+    fused_ema.bema_(*whole, src, [0.9, 0.2, 1.5])
+    for rank, rows in enumerate([slice(0, 4), slice(4, 7)]):
+        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=2)
+        try:
+            mesh = init_device_mesh("cpu", (2,))
+
+            def shard(t, mesh=mesh):
+                return tensor_api.DTensor.from_local(
+                    t, mesh, [tensor_api.Shard(0)], run_check=False, shape=(7, 3), stride=(3, 1)
+                )
+
+            local = [tensors[0][rows].clone() for tensors in targets]
+            fused_ema.bema_(*([shard(t)] for t in local), [shard(src[0][rows])], [0.9, 0.2, 1.5])
+            assert_bits([[t] for t in local], [[tensors[0][rows]] for tensors in whole])
+        finally:
+            dist.destroy_process_group()

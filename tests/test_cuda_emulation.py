@@ -613,6 +613,7 @@ BEMA_WEIGHTS = [
     (0.0, 1.0, 0.6),
     (1.0, 1.0, 0.0),
     (0.3, 0.0, 0.0),
+    (0.0, 0.6, 0.0),
     (0.0, 0.0, 1.5),
     (0.999, 0.7, -0.5),
 ]
@@ -642,7 +643,8 @@ def test_bema_matches_the_cpu_kernel(emu, bema_capacities, pair, layout):
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 def test_bema_lists_misaligned_each_their_own_way(emu, bema_capacities, pair, layout):
     """A tensor whose theta0 or out differs in alignment from its EMA takes the element-wise
-    path."""
+    path; with only theta0 to update, theta0 takes the EMA's place (no EMA read) and its own
+    alignment decides."""
     for shifts in ((0, 1, 0), (0, 0, 1), (1, 2, 3)):
         lists = BemaLists(pair, edge_layout(pack_of(pair), big_sizes=False), 130, shifts)
         emu_bufs, counts, cpu_bufs = run_bema(emu, lists, (0.9, 0.3, 2.5), LAYOUTS[layout])
@@ -650,6 +652,9 @@ def test_bema_lists_misaligned_each_their_own_way(emu, bema_capacities, pair, la
         views = [lst.copy()[1] for lst in lists.lists]
         capacity = bema_capacities[LAYOUTS[layout]]
         assert counts == expected_counts(pair, views[0], lists.src, capacity, views[1:])
+        emu_bufs, counts, cpu_bufs = run_bema(emu, lists, (0.0, 0.6, 0.0), LAYOUTS[layout])
+        assert_tracks_same_bits(emu_bufs, cpu_bufs)
+        assert counts == expected_counts(pair, views[1], lists.src, capacity)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -661,7 +666,13 @@ def test_bema_weights_read_through_a_device_pointer(emu, weight_dtype, layout):
         lists = BemaLists(
             pair, edge_layout(pack_of(pair), big_sizes=False)[::3], 140 + i, (0, i % 2, 0)
         )
-        for values in ((0.1, 0.7, 1.1), (0.0, 1.0, 0.1), (0.1, 0.0, 0.0), (0.0, 0.0, 0.0)):
+        for values in (
+            (0.1, 0.7, 1.1),
+            (0.0, 1.0, 0.1),
+            (0.1, 0.0, 0.0),
+            (0.0, 0.4, 0.0),
+            (0, 0, 0),
+        ):
             weights = torch.tensor([v for v in values for _ in range(2)], dtype=weight_dtype)[::2]
             emu_bufs, _, cpu_bufs = run_bema(emu, lists, values, LAYOUTS[layout], weights)
             assert_tracks_same_bits(emu_bufs, cpu_bufs)

@@ -49,19 +49,18 @@ void run_bema_plan(const DevicePlan& plan, const std::vector<BemaItem>& items,
                    const BemaWeights& weights) {
   const c10::cuda::CUDAGuard guard(plan.device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(plan.device.index()).stream();
+  const BemaLaunch launch(bema_weight_args(weights));
   std::array<std::vector<TensorRef>, kNumPairKinds> refs;
   std::array<std::vector<BemaTensors>, kNumPairKinds> extras;
   for (const BemaItem& item : items) {
     const auto kind = static_cast<size_t>(item.kind);
-    refs[kind].push_back({item.ema, item.src, item.numel});
-    extras[kind].push_back({item.theta0, item.out});
+    launch.add(item.ema, item.theta0, item.out, item.src, item.numel, refs[kind], extras[kind]);
   }
-  const BemaWeightArgs arg = bema_weight_args(weights);
   for (size_t kind = 0; kind < refs.size(); ++kind) {
     if (!refs[kind].empty()) {
       C10_CUDA_CHECK(kBemaLaunchers[kind].launch(refs[kind].data(), extras[kind].data(),
-                                                 static_cast<int64_t>(refs[kind].size()), arg,
-                                                 stream));
+                                                 static_cast<int64_t>(refs[kind].size()),
+                                                 launch.weights, stream));
     }
   }
   plan.write_back();

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../host_device.h"
 #include "../opmath.h"
@@ -141,6 +142,30 @@ struct BemaOp {
             !theta0_lerp.skip || write_out,
             write_out,
             ema_lerp.skip && theta0_lerp.skip && !write_out};
+  }
+};
+
+// How a tensor goes to BemaOp: host weights that leave only theta0 to update (beta = alpha = 0)
+// put theta0 in the EMA's place with w0 as its weight (the same bound lerp, so the same bits), and
+// no EMA is read; otherwise (ema, src) as the TensorRef and (theta0, out) as its data. Host only:
+// bema_cuda.cu and the tests' emulation both pass their tensors through it.
+struct BemaLaunch {
+  bool theta0_only;
+  BemaWeightArgs weights;
+
+  explicit BemaLaunch(const BemaWeightArgs& w)
+      : theta0_only(w.f32 == nullptr && w.f64 == nullptr && w.value[0] == 0.0 && w.value[2] == 0.0),
+        weights(theta0_only ? BemaWeightArgs{{w.value[1], 0.0, 0.0}, nullptr, nullptr, 0} : w) {}
+
+  void add(void* ema, void* theta0, void* out, const void* src, int64_t numel,
+           std::vector<TensorRef>& refs, std::vector<BemaTensors>& extras) const {
+    if (theta0_only) {
+      refs.push_back({theta0, src, numel});
+      extras.push_back({theta0, theta0});  // never touched: w0 and alpha are 0 here
+    } else {
+      refs.push_back({ema, src, numel});
+      extras.push_back({theta0, out});
+    }
   }
 };
 

@@ -280,18 +280,9 @@ constexpr BemaFn kBema[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_EMULATED)};
 Counts bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at::TensorList src,
                c10::ArrayRef<double> weights, const std::optional<at::Tensor>& weight_tensor,
                bool large) {
-  std::vector<TensorRef> refs;
-  const PairKind kind = dense_refs(ema, src, refs);
+  std::vector<TensorRef> dense;
+  const PairKind kind = dense_refs(ema, src, dense);
   TORCH_CHECK(theta0.size() == ema.size() && out.size() == ema.size(), "equal lists");
-  std::vector<BemaTensors> extras;
-  for (size_t i = 0; i < ema.size(); ++i) {
-    for (const at::Tensor& t : {theta0[i], out[i]}) {
-      TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == ema[i].scalar_type() &&
-                      t.numel() == ema[i].numel(),
-                  "theta0 and out: contiguous CPU tensors as ema");
-    }
-    extras.push_back({theta0[i].data_ptr(), out[i].data_ptr()});
-  }
   BemaWeightArgs args{{0.0, 0.0, 0.0}, nullptr, nullptr, 0};
   if (weight_tensor.has_value()) {
     TORCH_CHECK(weight_tensor->dim() == 1 && weight_tensor->numel() == 3 &&
@@ -311,8 +302,22 @@ Counts bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at
       return {0, 0};  // bema_op.cpp launches nothing
     }
   }
+  // As bema_cuda.cu passes them (BemaLaunch: theta0 in the EMA's place where only it changes).
+  const BemaLaunch launch(args);
+  std::vector<TensorRef> refs;
+  std::vector<BemaTensors> extras;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    for (const at::Tensor& t : {theta0[i], out[i]}) {
+      TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == ema[i].scalar_type() &&
+                      t.numel() == ema[i].numel(),
+                  "theta0 and out: contiguous CPU tensors as ema");
+    }
+    launch.add(dense[i].ema, theta0[i].data_ptr(), out[i].data_ptr(), dense[i].src, dense[i].numel,
+               refs, extras);
+  }
   LaunchCounts counts;
-  return counts_of(kBema[static_cast<size_t>(kind)](refs, extras, args, large, counts), counts);
+  return counts_of(kBema[static_cast<size_t>(kind)](refs, extras, launch.weights, large, counts),
+                   counts);
 }
 
 // Tensors a bema_ launch carries: 4 KB, 32 KB.
