@@ -11,7 +11,8 @@ corrected weights theta' are compared with TRL's (or, without TRL, with the fore
 over a few steps; one that differs by more than 1e-5 (relative to the weights' size) is reported
 and not timed.
 
-    python -m benchmarks.bema [--scale gpt2|small] [--rounds 9] [--reps 3] [--out benchmarks/out]
+    python -m benchmarks.bema [--scale gpt2|small] [--rounds 9] [--reps 3] [--warmup 8]
+                              [--threads N] [--out benchmarks/out]
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def build_model(scale: str) -> nn.Module:
     if scale == "gpt2":
         config = GPT2Config()  # GPT-2 small: 12 layers, 768 wide, 50257 tokens
     elif scale == "small":
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+        config = GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64,
+            bos_token_id=511, eos_token_id=511,
+        )  # fmt: skip
     else:
         raise ValueError(f"unknown scale {scale!r} (gpt2 or small)")
     torch.manual_seed(0)
@@ -218,7 +222,7 @@ def check(made: dict, perturb: Callable[[], None]) -> dict[str, float]:
     return errors
 
 
-def measure(scale: str, rounds: int, reps: int, foreach: bool, folder: Path) -> dict:
+def measure(scale: str, rounds: int, reps: int, warmup: int, foreach: bool, folder: Path) -> dict:
     model = build_model(scale)
     params = [p for p in model.parameters() if p.requires_grad]
     perturb = Perturber(model)
@@ -232,6 +236,7 @@ def measure(scale: str, rounds: int, reps: int, foreach: bool, folder: Path) -> 
         "tensors": len(params),
         "dtype": str(params[0].dtype),
         "options": OPTIONS,
+        "warmup_updates": warmup,
         "reference": TRL if TRL in made else FOREACH if FOREACH in made else None,
         "max_rel_error": errors,
         "tolerance": TOLERANCE,
@@ -248,6 +253,12 @@ def measure(scale: str, rounds: int, reps: int, foreach: bool, folder: Path) -> 
             }
         else:
             timed[name] = contender.update
+    # Untimed updates on moving weights first: on this shared machine the first updates after
+    # the copies are made can run many times slower than the later ones.
+    for _ in range(warmup):
+        for contender in made.values():
+            perturb()
+            contender.update()
     steps_before = {name: made[name].step for name in timed}
     with torch.no_grad(), tqdm(total=rounds, desc="bema", leave=False) as bar:
         samples = interleaved(
@@ -281,8 +292,9 @@ def markdown(record: dict) -> str:
         f"Python {m['python']}, {m['date']}",
         "",
         "One BEMA update (update_freq=1, TRL's other defaults; the EMA, theta_0 and theta' on the "
-        f"CPU), ms per update over {record['rounds']} interleaved rounds, the weights moved "
-        "between updates outside the timed region. Versions: "
+        f"CPU), ms per update over {record['rounds']} interleaved rounds after "
+        f"{r['warmup_updates']} untimed updates each, the weights moved between updates outside "
+        "the timed region. Versions: "
         + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
         + ".",
         "",
@@ -334,9 +346,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--scale", choices=("gpt2", "small"), default="gpt2")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--reps", type=int, default=3, help="calls per contender per round")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed updates first, each")
     parser.add_argument("--no-foreach", action="store_true", help="leave out the foreach baseline")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     record = {
         "machine": report.machine(["cpu"]),
         "versions": versions(),
@@ -345,7 +361,7 @@ def main(argv=None) -> dict:
     }
     with tempfile.TemporaryDirectory() as tmp:
         record["result"] = measure(
-            args.scale, args.rounds, args.reps, not args.no_foreach, Path(tmp)
+            args.scale, args.rounds, args.reps, args.warmup, not args.no_foreach, Path(tmp)
         )
     text = markdown(record)
     print(text)

@@ -256,7 +256,8 @@ def test_bema_benchmark_runs_at_small_scale(tmp_path):
     pytest.importorskip("transformers", reason="benchmarks/bema.py builds a transformers GPT-2")
     from benchmarks import bema, peers
 
-    args = ["--scale", "small", "--rounds", "2", "--reps", "1", "--out", str(tmp_path)]
+    args = ["--scale", "small", "--rounds", "2", "--reps", "1", "--warmup", "1"]
+    args += ["--out", str(tmp_path)]
     record = bema.main(args)
     result = record["result"]
     assert result["parameters"] > 0 and result["tensors"] > 0
