@@ -35,6 +35,7 @@ except ImportError:
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 CPU_SOURCES = [
+    "csrc/bema_op.cpp",
     "csrc/fused_ema.cpp",
     "csrc/grad_mode.cpp",
     "csrc/lerp_many.cpp",
@@ -46,13 +47,14 @@ CPU_SOURCES = [
     "csrc/python_walk_check.cpp",
     "csrc/python_walk_cache.cpp",
     "csrc/schedule.cpp",
+    "csrc/cpu/bema_cpu.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/lerp_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",
     "csrc/testing/stochastic_round_testing.cpp",
     "csrc/testing/testing_ops.cpp",
 ]
-CUDA_SOURCES = ["csrc/cuda/lerp_cuda.cu", "csrc/cuda/schedule_cuda.cu"]
+CUDA_SOURCES = ["csrc/cuda/bema_cuda.cu", "csrc/cuda/lerp_cuda.cu", "csrc/cuda/schedule_cuda.cu"]
 CXX_FLAGS = ["-O3"]  # torch's BuildExtension adds the -std its headers need
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # The static libraries below are compiled by setuptools, not BuildExtension: name the standard.

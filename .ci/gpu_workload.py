@@ -63,7 +63,9 @@ def check_pair(pair, sizes, seed, failures):
 
 
 def check_schedule(failures):
-    config = torch.tensor([0.999, 0.0, 1.0, 0.75, 3.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    config = torch.tensor(
+        [0.999, 0.0, 1.0, 0.75, 3.0, 2.0, 1.0, 0.0] + [0.0] * 4, dtype=torch.float64
+    )
     for device in ("cpu", "cuda"):
         step = torch.tensor(0, dtype=torch.int64, device=device)
         out = torch.zeros(2, dtype=torch.float64, device=device)

@@ -28,6 +28,7 @@ namespace fused_ema {
 // python_fast_path.cpp
 PyObject* python_lerp_eager(PyObject* module, PyObject* args);
 PyObject* python_lerp_many_eager(PyObject* module, PyObject* args);
+PyObject* python_bema_eager(PyObject* module, PyObject* args);
 // python_schedule.cpp
 PyObject* python_schedule_begin(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 // python_walk.cpp
@@ -60,6 +61,12 @@ TORCH_LIBRARY(fused_ema, m) {
   m.def(
       "lerp_many_stochastic_(Tensor(a!)[] emas, Tensor[] src, Tensor weights, Tensor step, "
       "int[] seeds, int[] keys, int[] offsets) -> ()");
+  // BEMA (bias-corrected EMA) of one list of sources, each read once: with weights = (beta, w0,
+  // alpha), ema as lerp_ with beta, theta0 as lerp_ with w0, then out = ema + alpha * (src -
+  // theta0) from the new values (bema_op.h); a weight of 0 leaves its list as it is.
+  m.def(
+      "bema_(Tensor(a!)[] ema, Tensor(b!)[] theta0, Tensor(c!)[] out, Tensor[] src, "
+      "Tensor weights) -> ()");
   // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
   // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
   m.def("ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()");
@@ -115,6 +122,10 @@ PyMethodDef kMethods[] = {
      "lerp_many_(emas: list of lists, src: list, weights: list of floats | Tensor) on plain "
      "tensors without the dispatcher; returns False, having done nothing, where the dispatcher is "
      "needed."},
+    {"_bema_eager", fused_ema::python_bema_eager, METH_VARARGS,
+     "bema_(ema: list, theta0: list, out: list, src: list, weights: 3 floats | Tensor) on plain "
+     "tensors without the dispatcher; returns False, having done nothing, where the dispatcher "
+     "is needed."},
     {"schedule_begin", reinterpret_cast<PyCFunction>(fused_ema::python_schedule_begin),
      METH_FASTCALL,
      "schedule_begin(schedule, step: int | Tensor | None): saves schedule.step in "

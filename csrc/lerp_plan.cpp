@@ -93,6 +93,10 @@ std::ostream& operator<<(std::ostream& out, const EmaName& name) {
   if (tensors == 0) {
     return out << "ema[" << name.index << "]";
   }
+  if (name.names.track_names != nullptr) {
+    return out << name.names.track_names[name.index / tensors] << "[" << name.index % tensors
+               << "]";
+  }
   return out << "emas[" << name.index / tensors << "][" << name.index % tensors << "]";
 }
 
@@ -358,11 +362,12 @@ std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major
 }
 
 std::vector<DevicePlan> plan_lerp_many(TensorRefs emas, TensorRefs src, bool row_major,
-                                       PlanCheck check) {
+                                       PlanCheck check, PairNames names) {
   const size_t tensors = src.size();
   const size_t tracks = tensors == 0 ? 0 : emas.size() / tensors;
   TORCH_INTERNAL_ASSERT(tracks * tensors == emas.size());
-  LerpPlanner planner(emas.size(), row_major, {"fused_ema.lerp_many_: ", tensors});
+  names.tensors = tensors;
+  LerpPlanner planner(emas.size(), row_major, names);
   const bool far = tensors >= kPrefetchFrom;
   for (size_t k = 0; k < tracks; ++k) {
     const TensorRefs track = emas.slice(k * tensors, tensors);

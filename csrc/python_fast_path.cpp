@@ -1,5 +1,5 @@
-// fused_ema._C._lerp_eager and _lerp_many_eager: run the lerp and lerp_many drivers straight from
-// Python lists of plain tensors.
+// fused_ema._C._lerp_eager, _lerp_many_eager and _bema_eager: run the lerp, lerp_many and bema
+// drivers straight from Python lists of plain tensors.
 // The dispatcher's boxed call copies every tensor into IValues and back (reference counts and
 // PyObject bookkeeping, ~0.4 us a tensor: most of the cost of a 20,000-tensor update). This
 // path declines, returning False, whenever the dispatcher has work to do: tensor subclasses,
@@ -16,6 +16,7 @@
 #include <optional>
 #include <vector>
 
+#include "bema_op.h"
 #include "lerp_many.h"
 #include "lerp_op.h"
 #include "lerp_plan.h"
@@ -263,6 +264,57 @@ PyObject* python_lerp_many_eager(PyObject* /*module*/, PyObject* args) {
     run_track_plans(
         planner.finish([&](const DevicePlan& plan) { check_tracks_runnable(plan, checked); }), n,
         checked);
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// bema_(ema, theta0, out, src, weights) on four lists of plain tensors and weights of 3 Python
+// numbers or a plain tensor; False, having done nothing, where the dispatcher is needed. The
+// driver gets the tensors as they lie in the lists (bema's own checks and planner).
+PyObject* python_bema_eager(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* lists[4] = {nullptr, nullptr, nullptr, nullptr};
+  PyObject* weights = nullptr;
+  if (!PyArg_ParseTuple(args, "OOOOO", &lists[0], &lists[1], &lists[2], &lists[3], &weights)) {
+    return nullptr;
+  }
+  if (!(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty() ||
+      at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_FALSE;
+  }
+  for (PyObject* list : lists) {
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != PyList_GET_SIZE(lists[3])) {
+      Py_RETURN_FALSE;
+    }
+  }
+  std::vector<double> values;
+  const bool numbers = host_weights(weights, 3, values);
+  if (!numbers && !plain_tensor(weights)) {
+    Py_RETURN_FALSE;
+  }
+  const auto n = static_cast<size_t>(PyList_GET_SIZE(lists[3]));
+  OwnedItems owned;
+  owned.reserve(4 * n);
+  std::vector<const at::Tensor*> refs[4];
+  for (int k = 0; k < 4; ++k) {
+    PyObject* const* items = PySequence_Fast_ITEMS(lists[k]);
+    refs[k].reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      owned.take(items[i]);
+      if (!plain_tensor(items[i])) {
+        Py_RETURN_FALSE;
+      }
+      refs[k].push_back(&THPVariable_Unpack(items[i]));
+    }
+  }
+  const double host[3] = {numbers ? values[0] : 0.0, numbers ? values[1] : 0.0,
+                          numbers ? values[2] : 0.0};
+  const BemaWeights checked =
+      numbers ? checked_bema_weights(host) : checked_bema_weights(THPVariable_Unpack(weights));
+  {
+    pybind11::gil_scoped_release no_gil;
+    bema(refs[0], refs[1], refs[2], refs[3], checked);
   }
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS

@@ -21,8 +21,13 @@ constexpr const char* kFieldRules[kNumConfigFields] = {
     "warmup_power must be finite, and > 0 with the power warmup",
     "update_after_step must be an integer in [0, 2**53]",
     "update_every must be an integer in [1, 2**53]",
-    "warmup_kind must be 0 (none), 1 (power), 2 (diffusers), 3 (torch_ema) or 4 (power function)",
+    "warmup_kind must be 0 (none), 1 (power), 2 (diffusers), 3 (torch_ema), 4 (power function) "
+    "or 5-7 (BEMA's EMA, theta0, alpha)",
     "update_every_decay must be 0 (compensated) or 1 (plain)",
+    "lag must be finite and >= 0 with BEMA, 0 otherwise",
+    "multiplier must be finite, >= 0 and lag + multiplier > 0 with BEMA, 0 otherwise",
+    "ema_power must be finite and >= 0 with BEMA, 0 otherwise",
+    "bias_power must be finite and >= 0 with BEMA, 0 otherwise",
 };
 
 }  // namespace
@@ -38,9 +43,9 @@ void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
   TORCH_CHECK_VALUE(config.scalar_type() == at::kDouble && config.numel() == kNumConfigFields &&
                         config.is_contiguous(),
                     kOp,
-                    "config must be 8 contiguous float64 elements (decay, min_decay, "
+                    "config must be 12 contiguous float64 elements (decay, min_decay, "
                     "warmup_gamma, warmup_power, update_after_step, update_every, warmup_kind, "
-                    "update_every_decay), got ",
+                    "update_every_decay, lag, multiplier, ema_power, bias_power), got ",
                     dtype_name(config.scalar_type()), " of shape ", config.sizes());
   TORCH_CHECK(out.device() == step.device(), kOp, "out is on ", out.device(), " but step is on ",
               step.device());

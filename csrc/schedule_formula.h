@@ -8,6 +8,11 @@
 //   (EDM2's profile, t = s + 1 updates so far): (1 - 1 / t)^(gamma + 1)
 //   an update happens when (step - 1) % every == 0, with weight 1 - decay_s^every (or
 //   1 - decay_s with plain update_every decay); else weight 0
+// BEMA (fused_ema.Bema, TRL's BEMACallback), with u = step - update_after_step, base = lag +
+// multiplier * step (TRL counts t from the trainer's step 0, not from update_after): the EMA's
+// weight is 1 at u = 0 (the reset), beta = max(base^-ema_power, min_decay) when u > 0 and
+// u % every == 0, else 0; theta0's is 1 at u = 0, else 0; the correction's is alpha =
+// base^-bias_power when the EMA's beta is, else 0 (kept above 0: 0 means "not written").
 #pragma once
 
 #include <cmath>
@@ -31,6 +36,10 @@ enum ConfigField : int {
   kUpdateEvery,
   kWarmupKind,        // a WarmupKind
   kUpdateEveryDecay,  // 0: decay^every per update (compensated), 1: decay (plain)
+  kBemaLag,           // BEMA's rho; the four BEMA fields are 0 for the other kinds
+  kBemaMultiplier,    // BEMA's gamma
+  kBemaEmaPower,      // BEMA's kappa
+  kBemaBiasPower,     // BEMA's eta
   kNumConfigFields,
 };
 
@@ -40,6 +49,9 @@ enum WarmupKind : int {
   kDiffusersWarmup,  // diffusers use_ema_warmup=False
   kTorchEmaWarmup,   // torch_ema use_num_updates=True
   kPowerFunction,    // EDM2's power-function EMA (fused_ema.PostHocEma, ema-pytorch KarrasEMA)
+  kBemaEma,          // fused_ema.Bema's three tracks: its EMA, theta0 and the correction alpha
+  kBemaTheta0,
+  kBemaAlpha,
   kNumWarmupKinds,
 };
 
@@ -52,6 +64,10 @@ struct Schedule {
   int64_t update_every;
   int warmup_kind;
   bool plain_every;
+  double lag;
+  double multiplier;
+  double ema_power;
+  double bias_power;
 };
 
 struct ScheduledWeight {
@@ -98,6 +114,25 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   if (!whole_in(config[kUpdateEveryDecay], 0.0, 1.0)) {
     return kUpdateEveryDecay;
   }
+  // BEMA's base lag + multiplier * step stays > 0 for every step >= 1.
+  const bool bema = config[kWarmupKind] >= kBemaEma;
+  const double lag = config[kBemaLag];
+  const double multiplier = config[kBemaMultiplier];
+  if (!finite(lag) || (bema ? !(lag >= 0.0) : lag != 0.0)) {
+    return kBemaLag;
+  }
+  if (!finite(multiplier) || (bema ? !(multiplier >= 0.0 && lag + multiplier > 0.0)
+                                   : multiplier != 0.0)) {
+    return kBemaMultiplier;
+  }
+  if (!finite(config[kBemaEmaPower]) ||
+      (bema ? !(config[kBemaEmaPower] >= 0.0) : config[kBemaEmaPower] != 0.0)) {
+    return kBemaEmaPower;
+  }
+  if (!finite(config[kBemaBiasPower]) ||
+      (bema ? !(config[kBemaBiasPower] >= 0.0) : config[kBemaBiasPower] != 0.0)) {
+    return kBemaBiasPower;
+  }
   return kNumConfigFields;
 }
 
@@ -110,7 +145,11 @@ FUSED_EMA_HOST_DEVICE inline Schedule schedule_from_config(const double* config)
           static_cast<int64_t>(config[kUpdateAfterStep]),
           static_cast<int64_t>(config[kUpdateEvery]),
           static_cast<int>(config[kWarmupKind]),
-          config[kUpdateEveryDecay] != 0.0};
+          config[kUpdateEveryDecay] != 0.0,
+          config[kBemaLag],
+          config[kBemaMultiplier],
+          config[kBemaEmaPower],
+          config[kBemaBiasPower]};
 }
 
 // step + 1, wrapping instead of overflowing (a wrapped step is out of range: weight 0).
@@ -118,9 +157,33 @@ FUSED_EMA_HOST_DEVICE inline int64_t next_step(int64_t step) {
   return static_cast<int64_t>(static_cast<uint64_t>(step) + 1u);
 }
 
+// The weight of one of BEMA's tracks at `step` (in [0, kMaxStep]); decay is 1 - the EMA's beta.
+FUSED_EMA_HOST_DEVICE inline ScheduledWeight bema_weight(const Schedule& sc, int64_t step) {
+  const int64_t u = step - sc.update_after_step;
+  if (u < 0) {
+    return {0.0, 1.0};
+  }
+  if (u == 0) {
+    return {sc.warmup_kind == kBemaAlpha ? 0.0 : 1.0, 0.0};
+  }
+  const double base = sc.lag + sc.multiplier * static_cast<double>(step);
+  const double beta = fmax(pow(base, -sc.ema_power), sc.min_decay);
+  if (u % sc.update_every != 0 || sc.warmup_kind == kBemaTheta0) {
+    return {0.0, 1.0 - beta};
+  }
+  if (sc.warmup_kind == kBemaEma) {
+    return {beta, 1.0 - beta};
+  }
+  // The smallest double instead of an alpha that underflowed: still "write the correction".
+  return {fmax(pow(base, -sc.bias_power), 4.9406564584124654e-324), 1.0 - beta};
+}
+
 FUSED_EMA_HOST_DEVICE inline ScheduledWeight scheduled_weight(const Schedule& sc, int64_t step) {
   if (step < 0 || step > kMaxStep) {
     return {0.0, 0.0};
+  }
+  if (sc.warmup_kind >= kBemaEma) {
+    return bema_weight(sc, step);
   }
   // torch_ema counts its ramp from its first update, diffusers from its first averaging one.
   const int64_t s = step - sc.update_after_step - (sc.warmup_kind == kTorchEmaWarmup ? 0 : 1);

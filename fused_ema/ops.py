@@ -230,6 +230,76 @@ def _track_keys(keys, count: int, tensors: int) -> list:
     return flat
 
 
+_BEMA_OP = "fused_ema.bema_: "
+_BEMA_LISTS = ("ema", "theta0", "out")
+_BEMA_WEIGHTS = ("beta", "w0", "alpha")
+
+
+def bema_(
+    ema: Sequence[torch.Tensor],
+    theta0: Sequence[torch.Tensor],
+    out: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+) -> None:
+    """BEMA (bias-corrected EMA, Block & Zhang 2025) of one model in one fused call, each
+    ``src[i]`` read once. With ``weights = (beta, w0, alpha)``, in place, for every i:
+
+    1. ``ema[i]`` becomes bit for bit what ``lerp_([ema[i]], [src[i]], beta)`` would write;
+    2. ``theta0[i]`` what ``lerp_([theta0[i]], [src[i]], w0)`` would write (``w0 = 1`` copies
+       ``src``: with ``beta = 1`` too, the reset of a BEMA);
+    3. ``out[i] = ema[i] + alpha * (src[i] - theta0[i])`` from the new ``ema[i]`` and
+       ``theta0[i]`` as stored, computed in float (double for float64 EMAs) as
+       ``fma(alpha, src - theta0, ema)`` with ``src - theta0`` rounded once, then rounded once to
+       the EMA dtype: the same bits on every device and CPU instruction set.
+
+    A weight of 0 leaves its list untouched (``alpha = 0``: ``out`` is not written). ``ema[i]``,
+    ``theta0[i]`` and ``out[i]`` share one dtype (the EMA's; ``(ema dtype, src dtype)`` one of
+    ``SUPPORTED_DTYPE_PAIRS``), ``src[i]``'s shape and its device, and must not share memory with
+    each other or with any src. ``weights`` is 3 floats, or a 1-D float32/float64 tensor of 3
+    elements on the EMAs' device or the CPU (read by the kernel: no host sync, capturable in a
+    CUDA graph). Bad input raises before anything is written.
+    """
+    src = _tensor_list(src, "src", _BEMA_OP)
+    lists = [
+        _tensor_list(tensors, name, _BEMA_OP)
+        for tensors, name in zip((ema, theta0, out), _BEMA_LISTS)
+    ]
+    for tensors, name in zip(lists, _BEMA_LISTS):
+        if len(tensors) != len(src):
+            raise ValueError(f"{_BEMA_OP}{name} has {len(tensors)} tensors but src has {len(src)}")
+    weights = _bema_weights(weights)
+    # As lerp_: plain tensors skip the dispatcher's boxing (same C++ driver, same checks).
+    if not _is_compiling() and _C._bema_eager(*lists, src, weights):
+        return
+    if any(any_dtensor(tensors) for tensors in lists) or any_dtensor(src):
+        shards = [shard_lists(tensors, src) for tensors in lists]
+        lists, src = [tensors for tensors, _ in shards], shards[0][1]
+    if not isinstance(weights, torch.Tensor):
+        weights = torch.tensor(weights, dtype=torch.float64)
+    torch.ops.fused_ema.bema_(*lists, src, weights)
+
+
+def _bema_weights(weights):
+    """(beta, w0, alpha) as a list of 3 floats, or a tensor as it is (C++ checks the rest, and
+    that each weight is finite)."""
+    if isinstance(weights, torch.Tensor):
+        return weights
+    if not isinstance(weights, (list, tuple)):
+        raise TypeError(
+            f"{_BEMA_OP}weights must be 3 floats (beta, w0, alpha) or a 1-D tensor of 3 "
+            f"elements, got {_type(weights)}"
+        )
+    if len(weights) != 3:
+        raise ValueError(
+            f"{_BEMA_OP}weights must be 3 floats (beta, w0, alpha), got {len(weights)}"
+        )
+    for name, w in zip(_BEMA_WEIGHTS, weights):
+        if isinstance(w, bool) or not isinstance(w, (float, int)):
+            raise TypeError(f"{_BEMA_OP}weights ({name}) must be a float, got {_type(w)}")
+    return [float(w) for w in weights]
+
+
 def _stochastic_step(step, op: str) -> torch.Tensor:
     """lerp_stochastic_'s step: an int (as an int64 tensor) or a tensor as it is."""
     if isinstance(step, bool) or not isinstance(step, (int, torch.Tensor)):
@@ -348,6 +418,53 @@ def _check_tracks_fake(emas, src, weights) -> int:
     return tracks
 
 
+@torch.library.register_fake("fused_ema::bema_")
+def _bema_fake(ema, theta0, out, src, weights) -> None:
+    """The metadata checks of csrc/bema_op.cpp and the planner, with the same messages."""
+    lists = (ema, theta0, out)
+    for tensors, name in zip(lists, _BEMA_LISTS):
+        if len(tensors) != len(src):
+            raise ValueError(f"{_BEMA_OP}{name} has {len(tensors)} tensors but src has {len(src)}")
+    for i in range(len(src)):
+        for tensors, name in zip(lists[1:], _BEMA_LISTS[1:]):
+            if tensors[i].dtype != ema[i].dtype:
+                raise ValueError(
+                    f"{_BEMA_OP}{name}[{i}] is {_dtype_name(tensors[i])} but ema[{i}] is "
+                    f"{_dtype_name(ema[i])}; ema, theta0 and out share the EMA dtype"
+                )
+    if weights.dim() != 1 or weights.numel() != 3:
+        raise ValueError(
+            f"{_BEMA_OP}weights must be a 1-D tensor of 3 elements (beta, w0, alpha), got shape "
+            f"{list(weights.shape)}"
+        )
+    if weights.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"{_BEMA_OP}weights must be float32 or float64, got {_dtype_name(weights)}"
+        )
+    for tensors, name in zip(lists, _BEMA_LISTS):
+        for i, (t, s) in enumerate(zip(tensors, src)):
+            if t.device != s.device:
+                raise RuntimeError(
+                    f"{_BEMA_OP}src[{i}] is on {s.device} but {name}[{i}] is on {t.device}"
+                )
+            if (t.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
+                raise ValueError(
+                    f"{_BEMA_OP}unsupported dtype pair at {name}[{i}]: ema {t.dtype}, src {s.dtype}"
+                )
+            if t.shape != s.shape:
+                raise ValueError(
+                    f"{_BEMA_OP}src[{i}] has shape {list(s.shape)} but {name}[{i}] has shape "
+                    f"{list(t.shape)}"
+                )
+        _refuse_meta(_BEMA_OP, tensors)
+    _refuse_meta(_BEMA_OP, [weights])
+    if src and weights.device.type != "cpu" and weights.device != src[0].device:
+        raise RuntimeError(
+            f"{_BEMA_OP}weights is on {weights.device} but EMA tensors are on {src[0].device}; "
+            "pass the weights on the EMAs' device, on the CPU, or as floats"
+        )
+
+
 @torch.library.register_fake("fused_ema::ema_schedule_")
 def _ema_schedule_fake(step, out, config, advance) -> None:
     _check_schedule_tensors(step, out, config)
@@ -380,11 +497,12 @@ def _check_schedule_tensors(step, out, config) -> None:
             f"{op}out must be 2 contiguous float64 elements (weight, decay), got "
             f"{_dtype_name(out)} of shape {list(out.shape)}"
         )
-    if config.dtype != torch.float64 or config.numel() != 8 or not config.is_contiguous():
+    if config.dtype != torch.float64 or config.numel() != 12 or not config.is_contiguous():
         raise ValueError(
-            f"{op}config must be 8 contiguous float64 elements (decay, min_decay, warmup_gamma, "
-            "warmup_power, update_after_step, update_every, warmup_kind, update_every_decay), "
-            f"got {_dtype_name(config)} of shape {list(config.shape)}"
+            f"{op}config must be 12 contiguous float64 elements (decay, min_decay, warmup_gamma, "
+            "warmup_power, update_after_step, update_every, warmup_kind, update_every_decay, lag, "
+            f"multiplier, ema_power, bias_power), got {_dtype_name(config)} of shape "
+            f"{list(config.shape)}"
         )
     if out.device != step.device:
         raise RuntimeError(f"{op}out is on {out.device} but step is on {step.device}")

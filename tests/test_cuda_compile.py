@@ -176,8 +176,46 @@ def test_kernels_reach_half_occupancy_without_spills(arch):
     assert all(spills == 0 and occ >= 0.5 for _, spills, occ in table.values()), summary
 
 
+def bema_kernels(report, arch):
+    return {name: info for (a, name), info in report.items() if a == arch and "BemaOp" in name}
+
+
 @needs_nvcc
-@pytest.mark.parametrize("source", ["lerp_cuda.cu", "schedule_cuda.cu"])
+@pytest.mark.parametrize("arch", ["60", "70", "75", "80", "90"])
+def test_bema_kernels_compile(arch):
+    """bema_'s kernel (multi_tensor_kernel with BemaOp): every dtype pair, in both layouts from
+    Volta on, without spills."""
+    require_target(arch)
+    kernels = bema_kernels(compile_kernels((arch,)), arch)
+    assert len(kernels) == PAIRS * (2 if int(arch) >= 70 else 1), sorted(kernels)
+    assert all(info.get("spills", 0) == 0 for info in kernels.values()), kernels
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_bema_kernels_reach_half_occupancy(arch):
+    require_target(arch)
+    kernels = bema_kernels(compile_kernels((arch,)), arch)
+    assert len(kernels) == 2 * PAIRS, sorted(kernels)
+    threads = block_threads()
+    table = {
+        name: (info["registers"], info.get("spills", 0), occupancy(info["registers"], threads))
+        for name, info in demangle_items(kernels)
+    }
+    summary = "\n".join(
+        f"{r:3d} regs {s:4d} B spilled {o:.0%}  {n}" for n, (r, s, o) in table.items()
+    )
+    print(f"sm_{arch}, {threads} threads a block:\n{summary}")
+    assert all(spills == 0 and occ >= 0.5 for _, spills, occ in table.values()), summary
+
+
+def demangle_items(kernels):
+    names = demangle(list(kernels))
+    return [(names[name], info) for name, info in kernels.items()]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", ["bema_cuda.cu", "lerp_cuda.cu", "schedule_cuda.cu"])
 def test_cuda_torch_glue_compiles(source, tmp_path):
     """The files that join the kernels to torch compile against the installed torch headers. A
     CPU wheel lacks one generated CUDA header (c10/cuda/impl/cuda_cmake_macros.h); it is stood in

@@ -339,7 +339,16 @@ def schedule_configs():
                 every,
                 kind,
                 plain,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
             ]
+        )
+    for kind, every, after in itertools.product((5, 6, 7), (1, 3), (0, 5)):
+        configs.append(
+            [1.0, rng.choice([0.0, 0.1]), 0.0, 1.0, after, every, kind, 0.0]
+            + [rng.choice([10.0, 0.0]), rng.uniform(0.5, 2.0), rng.uniform(0, 1), 8.0]
         )
     return configs
 
@@ -364,7 +373,7 @@ def test_schedule_kernel_body_matches_the_cpu_op(emu):
 
 def test_schedule_kernel_body_writes_weight_0_for_a_bad_config(emu):
     """The device cannot raise: a config the CPU op refuses gives weight 0 and decay NaN."""
-    config = torch.tensor([1.5, 0.0, 1.0, 1.0, 0, 1, NONE, 0], dtype=torch.float64)
+    config = torch.tensor([1.5, 0.0, 1.0, 1.0, 0, 1, NONE, 0, 0, 0, 0, 0], dtype=torch.float64)
     with pytest.raises(ValueError, match="decay"):
         torch.ops.fused_ema.ema_schedule_(
             torch.tensor(3), torch.zeros(2, dtype=torch.float64), config, True
@@ -559,3 +568,116 @@ def test_lerp_many_stochastic_step_and_weights_through_device_pointers(emu, pair
     sr = (list(range(1, 10)), step, keys, [0] * count)
     emu_bufs, _, cpu_bufs = run_many(emu, lists, [], LAYOUTS[layout], weights, stochastic=sr)
     assert_tracks_same_bits(emu_bufs, cpu_bufs)
+
+
+# bema_: ema, theta0 and out lie in buffers of their own (views at the same sizes, misaligned alike
+# or each its own way) over one source list; all three must come out bit for bit as the CPU
+# kernel's bema_ leaves them, guard elements between the views included.
+
+
+@pytest.fixture(scope="session")
+def bema_capacities(emu):
+    small, large = emu.bema_capacities()
+    return {False: small, True: large}
+
+
+class BemaLists:
+    """ema, theta0, out: views of Lists(pair, its layout) each, the EMA offsets of list k moved
+    by shifts[k] elements (mod the pack), over list 0's sources."""
+
+    def __init__(self, pair, layout, seed, shifts=(0, 0, 0)):
+        pack = pack_of(pair)
+        self.lists = [
+            Lists(pair, [(n, (e + shift) % pack, s) for n, e, s in layout], seed + k)
+            for k, shift in enumerate(shifts)
+        ]
+        self.src = self.lists[0].src
+
+    def copy(self):
+        copies = [lists.copy() for lists in self.lists]
+        return [buf for buf, _ in copies], [views for _, views in copies]
+
+
+def run_bema(emu, lists, weights, large, weight_tensor=None):
+    """(emulated buffers, launch counts), (buffers of the CPU kernel's bema_)."""
+    emu_bufs, emu_views = lists.copy()
+    host = [] if weight_tensor is not None else [float(w) for w in weights]
+    counts = emu.bema_(*emu_views, lists.src, host, weight_tensor, large)
+    cpu_bufs, cpu_views = lists.copy()
+    fused_ema.bema_(*cpu_views, lists.src, weights if weight_tensor is None else weight_tensor)
+    return emu_bufs, counts, cpu_bufs
+
+
+BEMA_WEIGHTS = [
+    (0.9, 0.3, 2.5),
+    (0.0, 1.0, 0.6),
+    (1.0, 1.0, 0.0),
+    (0.3, 0.0, 0.0),
+    (0.0, 0.0, 1.5),
+    (0.999, 0.7, -0.5),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_bema_matches_the_cpu_kernel(emu, bema_capacities, pair, layout):
+    """Every list aligned alike (the packed body); sizes around pack and chunk edges for one set
+    of weights, around pack edges for every zero/nonzero combination."""
+    large = LAYOUTS[layout]
+    lists = BemaLists(pair, edge_layout(pack_of(pair)), seed=120)
+    emu_bufs, counts, cpu_bufs = run_bema(emu, lists, BEMA_WEIGHTS[0], large)
+    assert_tracks_same_bits(emu_bufs, cpu_bufs)
+    _, views = lists.lists[0].copy()
+    assert counts == expected_counts(pair, views, lists.src, bema_capacities[large])
+    small = BemaLists(pair, edge_layout(pack_of(pair), big_sizes=False), seed=121)
+    for weights in BEMA_WEIGHTS[1:]:
+        emu_bufs, _, cpu_bufs = run_bema(emu, small, weights, large)
+        assert_tracks_same_bits(emu_bufs, cpu_bufs)
+        for k, w in enumerate(weights):
+            if w == 0.0:  # a weight of 0 leaves its list as it was
+                assert_same_bits(emu_bufs[k], small.lists[k].ema_buf)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_bema_lists_misaligned_each_their_own_way(emu, bema_capacities, pair, layout):
+    """A tensor whose theta0 or out differs in alignment from its EMA takes the element-wise
+    path."""
+    for shifts in ((0, 1, 0), (0, 0, 1), (1, 2, 3)):
+        lists = BemaLists(pair, edge_layout(pack_of(pair), big_sizes=False), 130, shifts)
+        emu_bufs, counts, cpu_bufs = run_bema(emu, lists, (0.9, 0.3, 2.5), LAYOUTS[layout])
+        assert_tracks_same_bits(emu_bufs, cpu_bufs)
+        views = [lst.copy()[1] for lst in lists.lists]
+        capacity = bema_capacities[LAYOUTS[layout]]
+        assert counts == expected_counts(pair, views[0], lists.src, capacity, views[1:])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float64], ids=str)
+def test_bema_weights_read_through_a_device_pointer(emu, weight_dtype, layout):
+    """A strided 1-D weights tensor (0.1 differs in float32 and float64: a float64 EMA shows
+    which was read); zeros among its values skip their writes in the kernel."""
+    for i, pair in enumerate(DTYPE_PAIRS):
+        lists = BemaLists(
+            pair, edge_layout(pack_of(pair), big_sizes=False)[::3], 140 + i, (0, i % 2, 0)
+        )
+        for values in ((0.1, 0.7, 1.1), (0.0, 1.0, 0.1), (0.1, 0.0, 0.0), (0.0, 0.0, 0.0)):
+            weights = torch.tensor([v for v in values for _ in range(2)], dtype=weight_dtype)[::2]
+            emu_bufs, _, cpu_bufs = run_bema(emu, lists, values, LAYOUTS[layout], weights)
+            assert_tracks_same_bits(emu_bufs, cpu_bufs)
+            for k, w in enumerate(values):
+                if w == 0.0:
+                    assert_same_bits(emu_bufs[k], lists.lists[k].ema_buf)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bema_lists_that_need_many_launches(emu, bema_capacities, layout):
+    large = LAYOUTS[layout]
+    capacity = bema_capacities[large]
+    pair = (torch.float32, torch.bfloat16)
+    lists = BemaLists(pair, small_list(2 * capacity + capacity // 2, seed=9), seed=150)
+    nonempty = sum(n > 0 for n, _, _ in lists.lists[0].layout)
+    assert nonempty > 2 * capacity
+    emu_bufs, counts, cpu_bufs = run_bema(emu, lists, (0.9, 0.2, 1.5), large)
+    assert_tracks_same_bits(emu_bufs, cpu_bufs)
+    assert counts == [math.ceil(nonempty / capacity), nonempty]

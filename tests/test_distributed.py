@@ -126,3 +126,11 @@ def test_posthoc_ema_under_ddp_tracks_the_same_emas_and_rank_0_writes_the_snapsh
     assert {r["snapshot_index"] for r in ranks} == {STEPS // 2}
     files = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
     assert files == [f"{i:06d}-ema{k}.safetensors" for i in range(STEPS // 2) for k in range(2)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bema_under_ddp_is_the_same_on_every_rank_full_or_sharded(backend, tmp_path):
+    name, nproc = backend
+    ranks = torchrun("bema_ddp", tmp_path, name, nproc)
+    assert len({r["checksum"] for r in ranks}) == 1, "the corrected weights differ between ranks"
+    assert all(r["sharded_equal"] and r["steps"] == STEPS for r in ranks)

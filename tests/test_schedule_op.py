@@ -22,15 +22,47 @@ FIELDS = (
     "update_every",
     "warmup_kind",
     "update_every_decay",
+    "lag",
+    "multiplier",
+    "ema_power",
+    "bias_power",
 )
 NONE, POWER, DIFFUSERS, TORCH_EMA, POWER_FUNCTION = 0, 1, 2, 3, 4  # warmup_kind
+BEMA_EMA, BEMA_THETA0, BEMA_ALPHA = 5, 6, 7
+NO_BEMA = (0.0, 0.0, 0.0, 0.0)  # lag, multiplier, ema_power, bias_power of the other kinds
+
+
+def padded(config):
+    """An 8-field config of the kinds before BEMA, with BEMA's four fields (0) appended."""
+    return tuple(config) + NO_BEMA if len(config) == 8 else tuple(config)
+
+
+def bema_reference(config, step):
+    """(weight, decay) of one of BEMA's tracks, from TRL's BEMACallback (trl/trainer/callbacks.py):
+    the reset at step == update_after, then beta and alpha of the trainer's step t every
+    update_freq steps."""
+    _, min_mult, _, _, after, every, kind, _, lag, mult, ema_power, bias_power = config
+    u = step - int(after)
+    if u < 0:
+        return 0.0, 1.0
+    if u == 0:
+        return (0.0 if kind == BEMA_ALPHA else 1.0), 0.0
+    beta = max((lag + mult * step) ** -ema_power, min_mult)
+    if u % int(every) != 0 or kind == BEMA_THETA0:
+        return 0.0, 1.0 - beta
+    if kind == BEMA_EMA:
+        return beta, 1.0 - beta
+    return max((lag + mult * step) ** -bias_power, 5e-324), 1.0 - beta
 
 
 def reference(config, step):
     """(weight, decay) of `step`, written from the README's description of the schedule."""
-    decay, min_decay, gamma, power, after, every, kind, plain = config
+    config = padded(config)
     if step < 0 or step > MAX_STEP:
         return 0.0, 0.0
+    if config[6] >= BEMA_EMA:
+        return bema_reference(config, step)
+    decay, min_decay, gamma, power, after, every, kind, plain = config[:8]
     averaged = step - int(after) - (0 if kind == TORCH_EMA else 1)
     if averaged <= 0:
         d = 0.0
@@ -52,11 +84,13 @@ def tensors(device, step=0, config=(0.999, 0.0, 0.0, 1.0, 0, 1, 0, 0)):
     return (
         torch.tensor(step, dtype=torch.int64, device=device),
         torch.zeros(2, dtype=torch.float64, device=device),
-        torch.tensor(config, dtype=torch.float64, device=device),
+        torch.tensor(padded(config), dtype=torch.float64, device=device),
     )
 
 
 def random_config(rng):
+    if rng.random() < 0.3:
+        return random_bema_config(rng)
     decay = rng.choice([0.0, 1.0, 0.5, 0.9, 0.999, 0.9999, rng.random()])
     min_decay = rng.choice([0.0, decay * rng.random(), decay])
     kind = rng.choice([NONE, POWER, DIFFUSERS, TORCH_EMA, POWER_FUNCTION])
@@ -75,6 +109,23 @@ def random_config(rng):
         float(rng.choice([1, 1, 2, 3, rng.randrange(1, 9)])),
         float(kind),
         float(rng.choice([0, 1])),
+    )
+
+
+def random_bema_config(rng):
+    return (
+        1.0,
+        rng.choice([0.0, 0.0, rng.uniform(0.0, 0.2)]),
+        0.0,
+        1.0,
+        float(rng.choice([0, 0, 1, 3, rng.randrange(20)])),
+        float(rng.choice([1, 1, 2, 3, 400, rng.randrange(1, 9)])),
+        float(rng.choice([BEMA_EMA, BEMA_THETA0, BEMA_ALPHA])),
+        0.0,
+        float(rng.choice([10, 0, 1, rng.uniform(0, 50)])),
+        float(rng.choice([1.0, 0.5, rng.uniform(0.01, 4)])),
+        float(rng.choice([0.5, 0.0, rng.uniform(0, 2)])),
+        float(rng.choice([0.2, 0.0, 8.0, rng.uniform(0, 2)])),
     )
 
 
@@ -135,7 +186,8 @@ def test_max_step_is_exported():
     assert _C.MAX_STEP == MAX_STEP
 
 
-GOOD = (0.9, 0.1, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0)
+GOOD = (0.9, 0.1, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0) + NO_BEMA
+GOOD_BEMA = (1.0, 0.0, 0.0, 1.0, 2.0, 3.0, 5.0, 0.0, 10.0, 1.0, 0.5, 0.2)
 BAD_FIELDS = [
     (0, -0.1),
     (0, 1.5),
@@ -156,14 +208,77 @@ BAD_FIELDS = [
     (5, float(MAX_STEP + 2)),
     (5, math.nan),
     (6, -1.0),
-    (6, 5.0),
+    (6, 8.0),
     (6, 1.5),
     (6, math.nan),
     (7, -1.0),
     (7, 2.0),
     (7, 0.5),
     (7, math.inf),
+    (8, 1.0),  # BEMA's fields are 0 for the other kinds
+    (9, 0.5),
+    (10, math.nan),
+    (11, -1.0),
 ]
+BAD_BEMA_FIELDS = [
+    (1, 1.5),  # min_ema_multiplier above 1
+    (6, 8.0),
+    (8, -1.0),
+    (8, math.inf),
+    (9, -0.5),
+    (9, math.nan),
+    (10, -0.1),
+    (10, math.inf),
+    (11, -2.0),
+    (11, math.nan),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_BEMA_FIELDS)
+def test_bad_bema_config_field_is_named(field, value):
+    config = list(GOOD_BEMA)
+    config[field] = value
+    step, out, cfg = tensors("cpu", step=5, config=config)
+    out.fill_(3.0)
+    with pytest.raises(ValueError, match=rf"config: {FIELDS[field]} must"):
+        op(step, out, cfg, True)
+    assert int(step) == 5 and out.tolist() == [3.0, 3.0]
+
+
+def test_bema_lag_and_multiplier_cannot_both_be_0():
+    config = list(GOOD_BEMA)
+    config[8] = config[9] = 0.0
+    step, out, cfg = tensors("cpu", step=5, config=config)
+    with pytest.raises(ValueError, match="config: multiplier must"):
+        op(step, out, cfg, True)
+
+
+def test_bema_tracks_follow_trl_over_a_run():
+    """The three tracks' weights over TRL's defaults (update_freq 4 here, update_after 3): the
+    reset at step 3, then beta, theta0's 0 and alpha on steps 7, 11, ..."""
+    for kind in (BEMA_EMA, BEMA_THETA0, BEMA_ALPHA):
+        config = (1.0, 0.0, 0.0, 1.0, 3.0, 4.0, float(kind), 0.0, 10.0, 1.0, 0.5, 0.2)
+        step, out, cfg = tensors("cpu", config=config)
+        for t in range(1, 30):
+            op(step, out, cfg, True)
+            weight = out[0].item()
+            if t < 3 or (t > 3 and (t - 3) % 4):
+                assert weight == 0.0, (kind, t)
+            elif t == 3:
+                assert weight == (0.0 if kind == BEMA_ALPHA else 1.0), (kind, t)
+            elif kind == BEMA_EMA:
+                assert weight == max((10 + t) ** -0.5, 0.0), t
+            elif kind == BEMA_ALPHA:
+                assert weight == (10 + t) ** -0.2, t
+            else:
+                assert weight == 0.0, t
+
+
+def test_an_alpha_that_underflows_still_writes_the_correction():
+    config = (1.0, 0.0, 0.0, 1.0, 0.0, 1.0, float(BEMA_ALPHA), 0.0, 10.0, 1.0, 0.5, 400.0)
+    step, out, cfg = tensors("cpu", step=1000, config=config)
+    op(step, out, cfg, False)
+    assert out[0].item() == 5e-324
 
 
 @pytest.mark.parametrize("field, value", BAD_FIELDS)
@@ -233,13 +348,13 @@ def bad_tensor_cases():
         ("out", torch.zeros(2, dtype=torch.float32), ValueError, "out must be 2 contiguous"),
         ("out", torch.zeros(3, dtype=torch.float64), ValueError, r"out .* shape \[3\]"),
         ("out", torch.zeros(4, dtype=torch.float64)[::2], ValueError, "out must be 2 contiguous"),
-        ("config", torch.tensor(GOOD, dtype=torch.float32), ValueError, "config must be 8"),
+        ("config", torch.tensor(GOOD, dtype=torch.float32), ValueError, "config must be 12"),
         ("config", torch.tensor(GOOD[:6], dtype=torch.float64), ValueError, r"shape \[6\]"),
         (
             "config",
             torch.tensor(GOOD * 2, dtype=torch.float64)[::2],
             ValueError,
-            "config must be 8 contiguous",
+            "config must be 12 contiguous",
         ),
         ("out", torch.zeros(2, dtype=torch.float64, device="meta"), RuntimeError, "out is on meta"),
         (

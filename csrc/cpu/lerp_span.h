@@ -89,6 +89,7 @@ void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, double we
 }  // namespace CPU_CAPABILITY
 }  // namespace fused_ema::cpu
 
+#include "bema_span.h"
 #include "stochastic_span.h"
 
 namespace fused_ema::cpu {
@@ -119,20 +120,23 @@ struct SpanEntry {
   PairKind kind;
   SpanFn fn;
   SrSpanFn sr;
+  BemaSpanFn bema;
 };
 
 #define FUSED_EMA_SPAN_ENTRY(kind, ema, src, ema_tag, src_tag)           \
   {PairKind::kind, &lerp_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>, \
-   &lerp_stochastic_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>},
+   &lerp_stochastic_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>,      \
+   &bema_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>},
 constexpr SpanEntry kSpanEntries[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SPAN_ENTRY)};
 #undef FUSED_EMA_SPAN_ENTRY
 static_assert(in_pair_kind_order(kSpanEntries), "span kernels must follow PairKind order");
 
 constexpr SpanKernels make_span_kernels(const char* isa) {
-  SpanKernels kernels{isa, {}, {}};
+  SpanKernels kernels{isa, {}, {}, {}};
   for (int k = 0; k < kNumPairKinds; ++k) {
     kernels.fn[k] = kSpanEntries[k].fn;
     kernels.sr[k] = kSpanEntries[k].sr;
+    kernels.bema[k] = kSpanEntries[k].bema;
   }
   return kernels;
 }

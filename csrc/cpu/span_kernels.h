@@ -24,10 +24,16 @@ struct SrStream {
 using SrSpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, double weight,
                           const SrStream& stream);
 
+// bema_ on elements [begin, end) of one tensor's four dense views (bema_span.h); `weights` holds
+// (beta, w0, alpha), each rounded once to the opmath type.
+using BemaSpanFn = void (*)(void* ema, void* theta0, void* out, const void* src, int64_t begin,
+                            int64_t end, const double* weights);
+
 struct SpanKernels {
   const char* isa;
-  SpanFn fn[kNumPairKinds];    // indexed by PairKind
-  SrSpanFn sr[kNumPairKinds];  // indexed by PairKind
+  SpanFn fn[kNumPairKinds];        // indexed by PairKind
+  SrSpanFn sr[kNumPairKinds];      // indexed by PairKind
+  BemaSpanFn bema[kNumPairKinds];  // indexed by PairKind
 };
 
 // Constant-initialised, so reading them runs no code compiled for another instruction set.

@@ -51,6 +51,22 @@ FUSED_EMA_HOST_DEVICE E apply_one(const F& f, E e, S s, int64_t i) {
   }
 }
 
+// Whether a bound op's result goes back to the EMA: always, unless the op says otherwise in a
+// write_ema field (bema_ with beta 0 reads the EMA for its out but leaves it unwritten).
+template <typename F, typename = void>
+struct HasWriteEma : std::false_type {};
+template <typename F>
+struct HasWriteEma<F, std::void_t<decltype(F::write_ema)>> : std::true_type {};
+
+template <typename F>
+FUSED_EMA_HOST_DEVICE inline bool writes_ema([[maybe_unused]] const F& f) {
+  if constexpr (HasWriteEma<F>::value) {
+    return f.write_ema;
+  } else {
+    return true;
+  }
+}
+
 // The kernel: Op supplies ema_t, src_t, extra_t, kPack and bind(), whose result maps (ema, src)
 // to the new ema value and says whether this launch may skip its work (read on the device: a
 // device-side weight). A plain C++ compiler gets the same body as a function of the block and
@@ -100,7 +116,10 @@ void multi_tensor_kernel(const MetaOf<Op, kCapacity>& meta, const Op& op, int32_
       for (int j = 0; j < kIlp; ++j) {
         const int i = base + j * kBlockThreads;
         if (i < count) {
-          ema_chunk[i] = apply_one(f, e[j], s[j], w.begin + i);
+          const E r = apply_one(f, e[j], s[j], w.begin + i);
+          if (writes_ema(f)) {
+            ema_chunk[i] = r;
+          }
         }
       }
     }
@@ -132,7 +151,9 @@ void multi_tensor_kernel(const MetaOf<Op, kCapacity>& meta, const Op& op, int32_
             e[j].v[k] = f(e[j].v[k], s[j].v[k]);
           }
         }
-        ema_chunk[p] = e[j];
+        if (writes_ema(f)) {
+          ema_chunk[p] = e[j];
+        }
       }
     }
   }
@@ -140,7 +161,10 @@ void multi_tensor_kernel(const MetaOf<Op, kCapacity>& meta, const Op& op, int32_
   if (thread < w.scalars) {
     const auto head = static_cast<unsigned>(w.head);  // >= 0 here
     const int64_t i = thread < head ? thread : w.tail_begin + (thread - head);
-    ema[i] = apply_one(f, ema[i], src[i], i);
+    const E r = apply_one(f, ema[i], src[i], i);
+    if (writes_ema(f)) {
+      ema[i] = r;
+    }
   }
 }
 

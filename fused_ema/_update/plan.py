@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .._bema_tmp import bema_  # TEMP
 from .._dist.dtensor import is_dtensor, local, replica_cut, shard_offset
 from .._ext.loader import _C
 from .._model.tracking import EntryTable
@@ -58,8 +59,10 @@ class DeviceGroup:
     offsets: list = field(default_factory=list)
     whole: bool = False  # the sources are the walk itself: every item, in order, direct
     # A joined plan (UpdatePlan.joined): the groups of the other EMAs updated from these same
-    # sources, with one weight each after this group's.
+    # sources, with one weight each after this group's, and how: "lerp_many" (ops.lerp_many_)
+    # or "bema" (ops.bema_: this group is BEMA's EMA, the followers theta0 and the correction).
     followers: tuple = ()
+    joint: str = "lerp_many"
 
     def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
         if not weight.is_cpu and weight.device != self.device:
@@ -85,6 +88,9 @@ class DeviceGroup:
     def _lerp_many(self, sources: list, weights: torch.Tensor, step: torch.Tensor) -> None:
         groups = (self, *self.followers)
         emas = [g.ema for g in groups]
+        if self.joint == "bema":
+            bema_(*emas, sources, weights)  # no stochastic rounding: Bema rounds to nearest
+            return
         if self.seed is None:
             lerp_many_(emas, sources, weights)
             return
@@ -100,7 +106,7 @@ class DeviceGroup:
             offsets=self.offsets,
         )
 
-    def joined(self, others: list) -> DeviceGroup:
+    def joined(self, others: list, joint: str = "lerp_many") -> DeviceGroup:
         """This group updating the groups `others` too, from its sources: theirs must list EMA
         tensors for the same sources, in the same order (plans of one walk, one policy)."""
         for other in others:
@@ -112,7 +118,7 @@ class DeviceGroup:
                     f"fused_ema: the EMAs updated together place their tensors on {self.device} "
                     "differently (another dtype or device policy): they cannot share one pass"
                 )
-        return replace(self, followers=tuple(others))
+        return replace(self, followers=tuple(others), joint=joint)
 
     def sources(self, walk: list) -> list:
         if self.whole:
@@ -220,7 +226,7 @@ class UpdatePlan:
         self._walk_cache = None  # what the walk read, once a model matched this plan
         self._joined = None  # (the other plans, the plan joined with them), from joined()
 
-    def joined(self, others: list) -> UpdatePlan:
+    def joined(self, others: list, how: str = "lerp_many") -> UpdatePlan:
         """A plan that runs this one and `others` (plans of the same walk, for other EMAs of the
         model) as one update: each device's sources are staged and read once for every EMA
         (ops.lerp_many_), each plan's copies run, and it is all or nothing across them. It
@@ -241,7 +247,7 @@ class UpdatePlan:
                     "fused_ema: the EMAs updated together keep their tensors on different "
                     "devices: they cannot share one pass"
                 )
-            joint.groups[device] = group.joined(theirs)
+            joint.groups[device] = group.joined(theirs, how)
         joint.copies = {}
         for k, plan in enumerate((self, *others)):
             for key, group in plan.copies.items():

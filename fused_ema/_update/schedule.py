@@ -31,6 +31,31 @@ RAMP_WARMUPS = {"diffusers": 2, "torch_ema": 3}
 POWER_FUNCTION = "power_function"
 POWER_FUNCTION_KIND = 4
 EVERY_DECAYS = ("compensated", "plain")
+# fused_ema.Bema's tracks, ("bema", part, lag, multiplier, ema_power, bias_power): part "ema",
+# "theta0" or "alpha" (csrc/schedule_formula.h's bema_weight).
+BEMA = "bema"
+BEMA_KINDS = {"ema": 5, "theta0": 6, "alpha": 7}
+BEMA_FIELDS = ("lag", "multiplier", "ema_power", "bias_power")
+
+
+def check_bema(warmup) -> tuple:
+    """A Bema track's warmup, validated: ("bema", part, lag, multiplier, ema_power, bias_power)."""
+    part, *values = warmup[1:]
+    if part not in BEMA_KINDS:
+        raise ValueError(f"a BEMA track is one of {tuple(BEMA_KINDS)}, got {part!r}")
+    checked = []
+    for name, value in zip(BEMA_FIELDS, values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        checked.append(float(value))
+    if checked[0] + checked[1] <= 0:
+        raise ValueError(
+            f"lag + multiplier must be > 0 (BEMA's lag + multiplier * t for t >= 1), got lag "
+            f"{values[0]!r} and multiplier {values[1]!r}"
+        )
+    return (BEMA, part, *checked)
 
 
 def _real(name: str, value, low: float, high: float) -> float:
@@ -72,7 +97,9 @@ def check_options(
     min_decay = _real("min_decay", min_decay, 0.0, decay)
     if warmup is True:
         warmup = DEFAULT_WARMUP
-    if isinstance(warmup, (tuple, list)) and len(warmup) == 2 and warmup[0] == POWER_FUNCTION:
+    if isinstance(warmup, (tuple, list)) and len(warmup) == 6 and warmup[0] == BEMA:
+        warmup = check_bema(warmup)
+    elif isinstance(warmup, (tuple, list)) and len(warmup) == 2 and warmup[0] == POWER_FUNCTION:
         gamma = warmup[1]
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > -1:
             raise ValueError(f"the power function's gamma must be a number > -1, got {gamma!r}")
@@ -148,10 +175,13 @@ def options_from_state(schedule) -> dict:
 def _config_values(options: dict) -> list[float]:
     warmup = options["warmup"]
     gamma, power, kind = 0.0, 1.0, 0.0
+    bema = [0.0] * len(BEMA_FIELDS)
     if isinstance(warmup, str):
         kind = float(RAMP_WARMUPS[warmup])
     elif warmup is not None and warmup[0] == POWER_FUNCTION:
         gamma, kind = warmup[1], float(POWER_FUNCTION_KIND)
+    elif warmup is not None and warmup[0] == BEMA:
+        kind, bema = float(BEMA_KINDS[warmup[1]]), list(warmup[2:])
     elif warmup is not None:
         (gamma, power), kind = warmup, 1.0
     return [
@@ -163,6 +193,7 @@ def _config_values(options: dict) -> list[float]:
         float(options["update_every"]),
         kind,
         float(EVERY_DECAYS.index(options["update_every_decay"])),
+        *bema,
     ]
 
 

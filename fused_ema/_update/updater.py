@@ -49,13 +49,17 @@ class Updater:
         # update also updates its followers' EMAs, from one read of the model (ops.lerp_many_);
         # a follower waits for its leader's work in flight and cannot update on its own.
         self.followers: tuple = ()
+        self.joint = "lerp_many"  # how a leader updates its followers (plan.DeviceGroup.joined)
         self.leader = None
         self.ema_ref = None  # a follower's ModelEma (weakly: it owns this updater)
 
-    def follow(self, leader, ema) -> None:
-        """Makes `ema` (this updater's ModelEma) one of the EMAs `leader` updates."""
+    def follow(self, leader, ema, joint: str = "lerp_many") -> None:
+        """Makes `ema` (this updater's ModelEma) one of the EMAs `leader` updates, the way
+        `joint` says: "lerp_many" (each its own lerp) or "bema" (Bema's EMA, theta0 and
+        corrected weights, in that order)."""
         self.leader, self.ema_ref = leader, weakref.ref(ema)
         leader.followers = (*leader.followers, self)
+        leader.joint = joint
 
     def ready(self, what: str) -> None:
         """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
@@ -108,7 +112,7 @@ class Updater:
                     )
                     undos.append(undo)
                     plans.append(follower_plan)
-                plan = plan.joined(plans)
+                plan = plan.joined(plans, self.joint)
             if values is not None and not walk_agrees(values, walk):
                 # The traced walk (_model/walk.py, the Python form dynamo can follow) must be the
                 # C walk item for item: a disagreement is refused, never averaged.

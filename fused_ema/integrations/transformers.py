@@ -1,6 +1,7 @@
 """Hugging Face Trainer integration: a TrainerCallback keeping a ModelEma (updated after every
-optimizer step, saved as ema.pt in every checkpoint folder, restored on resume), and what the
-Trainer's hooks cannot do alone: evaluation on the EMA weights and knowing the resumed folder.
+optimizer step, saved as ema.pt in every checkpoint folder, restored on resume), BEMACallback (the
+same for a fused_ema.Bema, with trl.BEMACallback's arguments), and what the Trainer's hooks cannot
+do alone: evaluation on the EMA weights and knowing the resumed folder.
 
 The Trainer has no hook before evaluation and none when it loads a checkpoint, hence
 `EMATrainerMixin` / `EMATrainer` (evaluate and predict on the EMA weights, the resumed folder
@@ -17,13 +18,24 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..bema import Bema, check_bema_options
 from ..ema import ModelEma
 from ._common import check_ema_arguments
 
-__all__ = ["EMA_FILE", "EMACallback", "EMATrainer", "EMATrainerMixin", "ema_weights"]
+__all__ = [
+    "BEMACallback",
+    "BEMA_FILE",
+    "EMA_FILE",
+    "EMACallback",
+    "EMATrainer",
+    "EMATrainerMixin",
+    "ema_weights",
+]
 
 EMA_FILE = "ema.pt"
 """The file holding `ema.state_dict()` in each `checkpoint-<step>` folder."""
+BEMA_FILE = "bema.pt"
+"""The file holding BEMACallback's `Bema.state_dict()` in each `checkpoint-<step>` folder."""
 
 _ON_MISSING = ("error", "restart")
 
@@ -46,6 +58,8 @@ class EMACallback(TrainerCallback):
             "restart" warns and starts a new EMA from the resumed model.
         **ema_kwargs: any other ModelEma keyword (warmup=, update_every=, device=, dtype=, ...).
     """
+
+    FILE = EMA_FILE  # in each checkpoint folder
 
     def __init__(
         self,
@@ -77,10 +91,13 @@ class EMACallback(TrainerCallback):
         """Runs after the Trainer loaded a checkpoint's weights and state: a fresh EMA of the
         model, with the checkpoint's ema.pt loaded into it when training resumes."""
         resume_from, self.resume_from = self.resume_from, None
-        ema = self.ema if self._user_ema else ModelEma(model, **self._ema_kwargs)
+        ema = self.ema if self._user_ema else self._build(model)
         if state.global_step > 0:
             self._restore(ema, args, state.global_step, resume_from)
         self.ema = ema
+
+    def _build(self, model):
+        return ModelEma(model, **self._ema_kwargs)
 
     def _restore(self, ema: ModelEma, args, step: int, resume_from) -> None:
         candidates = (
@@ -95,7 +112,7 @@ class EMACallback(TrainerCallback):
         for folder in candidates:
             if not isinstance(folder, (str, os.PathLike)):
                 continue
-            path = os.path.join(folder, EMA_FILE)
+            path = os.path.join(folder, self.FILE)
             looked.append(path)
             if not os.path.isfile(path):
                 continue
@@ -107,7 +124,7 @@ class EMACallback(TrainerCallback):
             ema.load_state_dict(state)  # all or nothing: a damaged file raises CheckpointError
             return
         message = (
-            f"fused_ema: training resumed at step {step} but no {EMA_FILE} of that step was found "
+            f"fused_ema: training resumed at step {step} but no {self.FILE} of that step was found "
             f"(looked at {', '.join(looked) or 'nothing'}). Resume with EMATrainer, or pass "
             "EMACallback(resume_from=<checkpoint folder>)"
         )
@@ -128,13 +145,77 @@ class EMACallback(TrainerCallback):
                 f"fused_ema: the checkpoint folder {folder} the Trainer should have written "
                 "does not exist, so the EMA has nowhere to go"
             )
-        path = os.path.join(folder, EMA_FILE)
+        path = os.path.join(folder, self.FILE)
         torch.save(self.ema.state_dict(), path + ".tmp")
         os.replace(path + ".tmp", path)  # a reader never sees half a file
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.copy_to_model_at_end:
             self.ema.copy_to(model)
+
+
+class BEMACallback(EMACallback):
+    """A drop-in for ``trl.BEMACallback`` (same arguments and meaning), on a fused `fused_ema.Bema`:
+    one fused pass per BEMA step instead of TRL's copy of the model and Python loop, and
+    fused_ema's resume and evaluation behaviour: each checkpoint folder gets ``bema.pt``, a resumed
+    run continues bit for bit, and `EMATrainer` / `ema_weights(trainer)` evaluate on the corrected
+    weights. As TRL does, the corrected model is saved to ``output_dir/bema`` when training ends
+    (``save_at_end=False`` skips it). ``callback.ema`` is the Bema, ``callback.running_model`` its
+    corrected module.
+
+    Args:
+        update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier,
+            device: trl.BEMACallback's (device "cpu" by default, as TRL's).
+        resume_from, on_missing: as EMACallback.
+        **bema_kwargs: any other Bema keyword (dtype=, buffers=, ...).
+    """
+
+    FILE = BEMA_FILE
+
+    def __init__(
+        self,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: int = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        device: str = "cpu",
+        *,
+        save_at_end: bool = True,
+        resume_from: str | os.PathLike | None = None,
+        on_missing: str = "error",
+        **bema_kwargs,
+    ):
+        options = check_bema_options(
+            update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
+        )
+        super().__init__(resume_from=resume_from, on_missing=on_missing)
+        for name, value in (*options.items(), ("device", device)):
+            setattr(self, name, value)  # TRL's attribute names
+        self._bema_kwargs = {**options, "device": device, **bema_kwargs}
+        self.save_at_end = bool(save_at_end)
+
+    def _build(self, model):
+        return Bema(model, **self._bema_kwargs)
+
+    @property
+    def running_model(self):
+        """TRL's name: a module holding the corrected weights (None before training begins)."""
+        return None if self.ema is None else self.ema.module
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        """As TRL: process 0 saves the corrected model to ``output_dir/bema``."""
+        if not self.save_at_end or not state.is_world_process_zero or self.ema is None:
+            return
+        folder = os.path.join(args.output_dir, "bema")
+        module = self.ema.module
+        if hasattr(module, "save_pretrained"):
+            module.save_pretrained(folder)
+        else:
+            os.makedirs(folder, exist_ok=True)
+            torch.save(module.state_dict(), os.path.join(folder, "model.pt"))
 
 
 # ---------------------------------------------------------------------- evaluation

@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from .._model.walk import unwrap_model
+from .._tracks import TrackSet
 from .._update.schedule import POWER_FUNCTION, whole_number
-from ..checkpoint import read_source
 from ..ema import ModelEma
-from ..errors import CheckpointError
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
 from .snapshotting import Snapshots
 
@@ -24,7 +23,7 @@ FORMAT_VERSION = 1
 _UINT64 = 2**64
 
 
-class PostHocEma(nn.Module):
+class PostHocEma(TrackSet):
     """Power-function EMAs of `model` (EDM2, Karras et al. 2024), for choosing the EMA width
     after training: ``fused_ema.posthoc.synthesize(snapshot_dir, sigma_rel=...)``.
 
@@ -84,7 +83,7 @@ class PostHocEma(nn.Module):
             "stochastic_rounding_seed", stochastic_rounding_seed, -(2**63), _UINT64 - 1
         )
         model = unwrap_model(model)
-        self._tracks = tuple(
+        tracks = tuple(
             ModelEma(
                 model,
                 decay=1.0,
@@ -103,12 +102,10 @@ class PostHocEma(nn.Module):
             for k, gamma in enumerate(self.gammas)
         )
         self._update_after_step = update_after_step
-        self._init_transient()
+        self._start(tracks, tuple(f"ema{k}" for k in range(len(tracks))))
 
-    def _init_transient(self) -> None:
-        leader = self._tracks[0]._updater
-        for track in self._tracks[1:]:
-            track._updater.follow(leader, track)
+    def _follow(self) -> None:
+        super()._follow()
         self._t = 0 if self._tracks[0]._schedule.value() == 0 else None  # updates, if known
 
     # ------------------------------------------------------------------ the EMAs
@@ -123,10 +120,6 @@ class PostHocEma(nn.Module):
 
     def __getitem__(self, k: int) -> ModelEma:
         return self._tracks[k]
-
-    @property
-    def step(self) -> int:
-        return self._tracks[0].step
 
     @property
     def snapshot_dir(self) -> Path | None:
@@ -193,19 +186,6 @@ class PostHocEma(nn.Module):
         self._tracks[0].synchronize()
         self._snapshots.writer.flush()
 
-    def resync(self, model: nn.Module) -> None:
-        """ModelEma.resync for every tracked EMA."""
-        for track in self._tracks:
-            track.resync(model)
-
-    def to(self, *args, **kwargs) -> PostHocEma:
-        for track in self._tracks:
-            track.to(*args, **kwargs)
-        return self
-
-    def _apply(self, fn, recurse=True) -> PostHocEma:
-        return self  # as ModelEma: a parent's .to() leaves the EMAs where they were asked to be
-
     # ------------------------------------------------------------------ snapshots
 
     def save_snapshot(self) -> None:
@@ -236,93 +216,37 @@ class PostHocEma(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """Every EMA's state_dict, the gammas and the next snapshot's index. A parent module's
-        state_dict() gets flat keys: each EMA's under ``{prefix}ema{k}.``."""
-        if args:
-            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
-        self._tracks[0].synchronize()
-        if destination is None and not prefix:
-            return {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "gammas": list(self.gammas),
-                "snapshot_index": self._snapshots.next_index,
-                "snapshot_every": self.snapshot_every,
-                "emas": [track.state_dict() for track in self._tracks],
-            }
-        for k, track in enumerate(self._tracks):
-            destination = track.state_dict(
-                destination=destination, prefix=f"{prefix}ema{k}.", keep_vars=keep_vars
-            )
-        destination[prefix + "snapshot_index"] = torch.tensor(self._snapshots.next_index)
-        return destination
+    def _header(self) -> dict:
+        return {
+            "gammas": list(self.gammas),
+            "snapshot_index": self._snapshots.next_index,
+            "snapshot_every": self.snapshot_every,
+        }
 
-    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
-        """Restores every EMA and the snapshot numbering from state_dict()'s dict (or a file),
-        all or nothing: each EMA's checkpoint is checked and converted before any is written."""
-        state, source = read_source(state, "PostHocEma checkpoint")
-        self._tracks[0].synchronize()
-        problems = _format_problems(state, self.gammas)
-        if problems:
-            raise CheckpointError(problems, source)
-        prepared = []
-        for k, track in enumerate(self._tracks):
-            try:
-                prepared.append(track._state.prepare(state["emas"][k], strict))
-            except CheckpointError as err:
-                raise CheckpointError([f"ema {k}: {p}" for p in err.problems], source) from None
-        results = [track._state.apply(*p) for track, p in zip(self._tracks, prepared)]
+    def _header_problems(self, state: dict) -> list[str]:
+        problems = []
+        saved, gammas = state.get("gammas"), self.gammas
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(gammas):
+            problems.append(
+                f"gammas {saved!r}: this PostHocEma tracks {len(gammas)} EMAs {list(gammas)}"
+            )
+        elif any(abs(float(a) - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(saved, gammas)):
+            problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
+        index = state.get("snapshot_index")
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            problems.append(f"snapshot_index {index!r}: expected a whole number >= 0")
+        return problems
+
+    def _restore_header(self, state: dict) -> None:
         self._snapshots.restore(state["snapshot_index"])
         self._t = None
-        return results[0]
 
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
-    ) -> None:
-        """A parent module's load_state_dict(): every EMA's keys, all or nothing."""
-        from .._state import nested_state
+    def _nested_extras(self) -> dict:
+        return {"snapshot_index": torch.tensor(self._snapshots.next_index)}
 
-        self._tracks[0].synchronize()
-        ready, found = [], set()
-        ok = True
-        for k, track in enumerate(self._tracks):
-            sub = f"{prefix}ema{k}."
-            meta = (
-                state_dict._metadata.get(sub[:-1], {}) if hasattr(state_dict, "_metadata") else {}
-            )
-            own, missing, unexpected = nested_state.read(state_dict, sub, meta)
-            found.update(key for key in state_dict if key.startswith(sub))
-            missing_keys.extend(missing)
-            unexpected_keys.extend(unexpected)
-            prepared = nested_state.report(
-                lambda own, track=track, sub=sub: track._state.prepare(own, False, source=sub[:-1]),
-                track._binding.table,
-                own,
-                sub,
-                missing_keys,
-                unexpected_keys,
-                errors,
-            )
-            ok = ok and prepared is not None and not missing and not unexpected
-            ready.append(prepared)
-        index_key = prefix + "snapshot_index"
-        if index_key not in state_dict:
-            missing_keys.append(index_key)
-            ok = False
-        found.add(index_key)
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
-        if ok:
-            for track, prepared in zip(self._tracks, ready):
-                track._state.apply(*prepared)
-            self._snapshots.restore(int(state_dict[index_key]))
-            self._t = None
-
-    # ------------------------------------------------------------------ copies and pickling
-
-    def __setstate__(self, state: dict) -> None:
-        nn.Module.__setstate__(self, state)
-        self._init_transient()
+    def _restore_nested(self, values: dict) -> None:
+        self._snapshots.restore(int(values["snapshot_index"]))
+        self._t = None
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
@@ -347,27 +271,3 @@ def _gammas(sigma_rels, gammas) -> tuple[float, ...]:
     if not out:
         raise ValueError("PostHocEma: track at least one EMA")
     return out
-
-
-def _format_problems(state, gammas) -> list[str]:
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        return [f"not a PostHocEma state dict (expected 'format': {FORMAT!r})"]
-    problems = []
-    if state.get("format_version") != FORMAT_VERSION:
-        problems.append(
-            f"format_version {state.get('format_version')!r}: expected {FORMAT_VERSION}"
-        )
-    saved = state.get("gammas")
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(gammas):
-        problems.append(
-            f"gammas {saved!r}: this PostHocEma tracks {len(gammas)} EMAs {list(gammas)}"
-        )
-    elif any(abs(float(a) - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(saved, gammas)):
-        problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
-    emas = state.get("emas")
-    if not isinstance(emas, (list, tuple)) or len(emas) != len(gammas):
-        problems.append(f"'emas' must list {len(gammas)} EMA state dicts")
-    index = state.get("snapshot_index")
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        problems.append(f"snapshot_index {index!r}: expected a whole number >= 0")
-    return problems

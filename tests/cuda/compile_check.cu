@@ -1,5 +1,6 @@
 // Instantiates every CUDA kernel of fused_ema without torch headers, so that tests can check the
 // device code compiles for each target architecture with plain nvcc (see test_cuda_compile.py).
+#include "cuda/bema_functor.cuh"
 #include "cuda/lerp_functor.cuh"
 #include "cuda/lerp_many_functor.cuh"
 #include "cuda/pair_types.cuh"
@@ -36,6 +37,15 @@ FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE_SR)
       fc::StepArg, const uint64_t*, cudaStream_t);
 FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE_MANY)
 #undef FUSED_EMA_INSTANTIATE_MANY
+
+// bema_'s launchers (multi_tensor_kernel with theta0 and out as per-tensor data).
+#define FUSED_EMA_INSTANTIATE_BEMA(kind, ema, src, ema_tag, src_tag)                         \
+  template cudaError_t                                                                       \
+  fc::launch_bema<fc::cuda_t<fused_ema::tag::ema_tag>, fc::cuda_t<fused_ema::tag::src_tag>>( \
+      const fc::TensorRef*, const fc::BemaTensors*, int64_t, const fc::BemaWeightArgs&,      \
+      cudaStream_t);
+FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_INSTANTIATE_BEMA)
+#undef FUSED_EMA_INSTANTIATE_BEMA
 
 // The schedule kernel's body is shared by host and device (cuda/schedule_step.cuh); the device
 // reads its config from memory, as csrc/cuda/schedule_cuda.cu does.

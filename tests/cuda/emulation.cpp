@@ -1,7 +1,7 @@
 // A test-only torch extension that runs fused_ema's CUDA device code on the CPU, compiled by a
 // plain C++ compiler (test_cuda_emulation.py builds it): torch.ops.fused_ema_emulation.lerp_,
-// lerp_stochastic_, lerp_many_, lerp_many_stochastic_ (the kernels, packed as for the 4 KB or
-// the 32 KB layout, every block and thread run) and schedule_ (the schedule kernel's body).
+// lerp_stochastic_, lerp_many_, lerp_many_stochastic_, bema_ (the kernels, packed as for the 4 KB
+// or the 32 KB layout, every block and thread run) and schedule_ (the schedule kernel's body).
 // Arguments reach the kernels as lerp_cuda.cu and schedule_cuda.cu pass them (lerp_many_'s
 // through the same for_each_track_launch); tensor weights and steps are read through pointers.
 #include <ATen/core/Tensor.h>
@@ -10,6 +10,7 @@
 #include <optional>
 #include <vector>
 
+#include "cuda/bema_functor.cuh"
 #include "cuda/lerp_functor.cuh"
 #include "cuda/lerp_many_functor.cuh"
 #include "cuda/pair_types.cuh"
@@ -260,6 +261,66 @@ Counts lerp_many_stochastic_op(at::TensorList emas, at::TensorList src,
   return counts_of(err, counts);
 }
 
+// bema_'s launches of one dtype pair, as bema_cuda.cu makes them (theta0 and out as per-tensor
+// data, weights as host values or a device pointer).
+template <typename E, typename S>
+cudaError_t bema(const std::vector<TensorRef>& refs, const std::vector<BemaTensors>& extras,
+                 const BemaWeightArgs& weights, bool large, LaunchCounts& counts) {
+  return multi_tensor_apply(refs.data(), static_cast<int64_t>(refs.size()), BemaOp<E, S>{weights},
+                            large, counts, extras.data());
+}
+
+using BemaFn = cudaError_t (*)(const std::vector<TensorRef>&, const std::vector<BemaTensors>&,
+                               const BemaWeightArgs&, bool, LaunchCounts&);
+#define FUSED_EMA_EMULATED(kind, ema, src, ema_tag, src_tag) \
+  &bema<cuda_t<tag::ema_tag>, cuda_t<tag::src_tag>>,
+constexpr BemaFn kBema[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_EMULATED)};
+#undef FUSED_EMA_EMULATED
+
+Counts bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at::TensorList src,
+               c10::ArrayRef<double> weights, const std::optional<at::Tensor>& weight_tensor,
+               bool large) {
+  std::vector<TensorRef> refs;
+  const PairKind kind = dense_refs(ema, src, refs);
+  TORCH_CHECK(theta0.size() == ema.size() && out.size() == ema.size(), "equal lists");
+  std::vector<BemaTensors> extras;
+  for (size_t i = 0; i < ema.size(); ++i) {
+    for (const at::Tensor& t : {theta0[i], out[i]}) {
+      TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == ema[i].scalar_type() &&
+                      t.numel() == ema[i].numel(),
+                  "theta0 and out: contiguous CPU tensors as ema");
+    }
+    extras.push_back({theta0[i].data_ptr(), out[i].data_ptr()});
+  }
+  BemaWeightArgs args{{0.0, 0.0, 0.0}, nullptr, nullptr, 0};
+  if (weight_tensor.has_value()) {
+    TORCH_CHECK(weight_tensor->dim() == 1 && weight_tensor->numel() == 3 &&
+                    (weight_tensor->scalar_type() == at::kFloat ||
+                     weight_tensor->scalar_type() == at::kDouble),
+                "tensor weights: 1-D, 3 float32/float64 elements");
+    args.stride = weight_tensor->stride(0);
+    if (weight_tensor->scalar_type() == at::kFloat) {
+      args.f32 = weight_tensor->const_data_ptr<float>();
+    } else {
+      args.f64 = weight_tensor->const_data_ptr<double>();
+    }
+  } else {
+    TORCH_CHECK(weights.size() == 3, "3 host weights");
+    std::copy(weights.begin(), weights.end(), args.value);
+    if (weights[0] == 0.0 && weights[1] == 0.0 && weights[2] == 0.0) {
+      return {0, 0};  // bema_op.cpp launches nothing
+    }
+  }
+  LaunchCounts counts;
+  return counts_of(kBema[static_cast<size_t>(kind)](refs, extras, args, large, counts), counts);
+}
+
+// Tensors a bema_ launch carries: 4 KB, 32 KB.
+Counts bema_capacities() {
+  using Op = BemaOp<float, float>;
+  return {op_capacity<Op, kSmallParamBytes>(), op_capacity<Op, kLargeParamBytes>()};
+}
+
 void schedule_op(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
                  bool advance) {
   TORCH_CHECK(step.scalar_type() == at::kLong && step.numel() == 1 &&
@@ -315,4 +376,9 @@ TORCH_LIBRARY(fused_ema_emulation, m) {
   m.def("schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()",
         &emu::schedule_op);
   m.def("capacities() -> int[]", &emu::capacities);
+  m.def(
+      "bema_(Tensor(a!)[] ema, Tensor(b!)[] theta0, Tensor(c!)[] out, Tensor[] src, "
+      "float[] weights, Tensor? weight_tensor, bool large) -> int[]",
+      &emu::bema_op);
+  m.def("bema_capacities() -> int[]", &emu::bema_capacities);
 }

@@ -240,6 +240,30 @@ def posthoc_ddp(out: Path, rank: int, device) -> dict:
     }
 
 
+def bema_ddp(out: Path, rank: int, device) -> dict:
+    """Bema of a DDP model, one full copy and one sharded (each rank its chunk): every rank holds
+    the same corrected weights, and the sharded one gathers to the full one's."""
+    from fused_ema import Bema
+
+    torch.manual_seed(0)
+    model = Net().to(device)
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    full = Bema(wrapped, update_freq=2, update_after=1)
+    sharded = Bema(wrapped, update_freq=2, update_after=1, shard=True)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+    for step in range(1, STEPS + 1):
+        train_step(wrapped, opt, batch(step, device, rank_salt=rank))
+        full.update(wrapped)
+        sharded.update(wrapped)
+    mine = full.corrected.full_state_dict(rank=None)
+    gathered = sharded.corrected.full_state_dict(rank=None)
+    return {
+        "checksum": sum(float(t.double().sum()) for t in mine.values()),
+        "sharded_equal": all(torch.equal(mine[k], gathered[k]) for k in mine),
+        "steps": full.step,
+    }
+
+
 def main() -> None:
     scenario, out, backend = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     rank, device = setup(backend)
@@ -247,7 +271,13 @@ def main() -> None:
         if scenario == "dcp_load":
             result = dcp_load(out, rank, device, sys.argv[4])
         else:
-            scenarios = {"fsdp": fsdp, "dcp_save": dcp_save, "ddp": ddp, "posthoc_ddp": posthoc_ddp}
+            scenarios = {
+                "fsdp": fsdp,
+                "dcp_save": dcp_save,
+                "ddp": ddp,
+                "posthoc_ddp": posthoc_ddp,
+                "bema_ddp": bema_ddp,
+            }
             result = scenarios[scenario](out, rank, device)
         dist.barrier()
     finally:

@@ -1,0 +1,160 @@
+// The CPU span kernel of fused_ema::bema_, compiled per instruction set with lerp_span.h (whose
+// load2/store2 it uses). ema and theta0 take lerp_span's formula, so they match lerp_ bit for
+// bit; out follows the one order every backend uses (below), vector body and scalar tail alike.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "../opmath.h"
+#include "span_kernels.h"
+
+namespace fused_ema::cpu {
+inline namespace CPU_CAPABILITY {
+
+// lerp_'s coefficient for a weight w rounded to opmath: coeff = w with base ema for |w| < 0.5,
+// else coeff = w - 1 with base src.
+template <typename T>
+struct LerpCoeff {
+  T coeff;
+  bool small;
+};
+
+template <typename T>
+inline LerpCoeff<T> lerp_coeff(T w) {
+  const bool small = std::abs(w) < T(0.5);
+  return {small ? w : w - T(1), small};
+}
+
+#ifdef FUSED_EMA_VECTORIZED
+// store2, then a and b become the values stored, read back in opmath (16-bit EMAs round).
+template <typename T>
+inline void store2_rounded(T* p, Vectorized<T>& a, Vectorized<T>& b) {
+  store2(p, a, b);
+}
+inline void store2_rounded(c10::BFloat16* p, Vectorized<float>& a, Vectorized<float>& b) {
+  const Vectorized<c10::BFloat16> stored = at::vec::convert_float_bfloat16(a, b);
+  stored.store(p);
+  std::tie(a, b) = at::vec::convert_bfloat16_float(stored);
+}
+inline void store2_rounded(c10::Half* p, Vectorized<float>& a, Vectorized<float>& b) {
+  const Vectorized<c10::Half> stored = at::vec::convert_float_half(a, b);
+  stored.store(p);
+  std::tie(a, b) = at::vec::convert_half_float(stored);
+}
+
+template <typename V>
+inline V lerp_vec(const V& e, const V& s, const V& coeff, bool small) {
+  return at::vec::fmadd(coeff, s - e, small ? e : s);
+}
+#endif
+
+// The evaluation order of out, shared by every backend (CPU scalar and vector, CUDA, the
+// emulation): with x = src, e = the new ema and t = the new theta0 as stored (rounded to the EMA
+// dtype, read back in opmath), d = x - t rounded once, then out = fma(alpha, d, e) rounded once
+// (an explicit fused multiply-add, so no compiler contraction can change it), then rounded to the
+// EMA dtype.
+//
+// kEma, kTheta, kOut: which lists are written (weight not 0). ema is read for out even when it
+// keeps its values, theta0 likewise.
+template <typename E, typename S, bool kEma, bool kTheta, bool kOut>
+void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
+                LerpCoeff<typename OpMath<E>::type> beta, LerpCoeff<typename OpMath<E>::type> w0,
+                typename OpMath<E>::type alpha) {
+  using opmath_t = typename OpMath<E>::type;
+  int64_t i = 0;
+#ifdef FUSED_EMA_VECTORIZED
+  using Vec = Vectorized<opmath_t>;
+  constexpr int64_t kStep = 2 * Vec::size();
+  const Vec vbeta(beta.coeff);
+  const Vec vw0(w0.coeff);
+  const Vec valpha(alpha);
+  for (; i + kStep <= n; i += kStep) {
+    Vec s0, s1, e0, e1, t0, t1;
+    load2(src + i, s0, s1);
+    if constexpr (kEma || kOut) {
+      load2(ema + i, e0, e1);
+      if constexpr (kEma) {
+        e0 = lerp_vec(e0, s0, vbeta, beta.small);
+        e1 = lerp_vec(e1, s1, vbeta, beta.small);
+        store2_rounded(ema + i, e0, e1);
+      }
+    }
+    if constexpr (kTheta || kOut) {
+      load2(theta0 + i, t0, t1);
+      if constexpr (kTheta) {
+        t0 = lerp_vec(t0, s0, vw0, w0.small);
+        t1 = lerp_vec(t1, s1, vw0, w0.small);
+        store2_rounded(theta0 + i, t0, t1);
+      }
+    }
+    if constexpr (kOut) {
+      store2(out + i, at::vec::fmadd(valpha, s0 - t0, e0), at::vec::fmadd(valpha, s1 - t1, e1));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const auto x = static_cast<opmath_t>(src[i]);
+    opmath_t e{};
+    opmath_t t{};
+    if constexpr (kEma || kOut) {
+      e = static_cast<opmath_t>(ema[i]);
+      if constexpr (kEma) {
+        const auto stored = static_cast<E>(std::fma(beta.coeff, x - e, beta.small ? e : x));
+        ema[i] = stored;
+        e = static_cast<opmath_t>(stored);
+      }
+    }
+    if constexpr (kTheta || kOut) {
+      t = static_cast<opmath_t>(theta0[i]);
+      if constexpr (kTheta) {
+        const auto stored = static_cast<E>(std::fma(w0.coeff, x - t, w0.small ? t : x));
+        theta0[i] = stored;
+        t = static_cast<opmath_t>(stored);
+      }
+    }
+    if constexpr (kOut) {
+      out[i] = static_cast<E>(std::fma(alpha, x - t, e));
+    }
+  }
+}
+
+// A weight that rounds to 0 in opmath leaves its list untouched.
+template <typename E, typename S>
+void bema_span(void* ema, void* theta0, void* out, const void* src, int64_t begin, int64_t end,
+               const double* weights) {
+  using opmath_t = typename OpMath<E>::type;
+  const auto beta = static_cast<opmath_t>(weights[0]);
+  const auto w0 = static_cast<opmath_t>(weights[1]);
+  const auto alpha = static_cast<opmath_t>(weights[2]);
+  E* e = static_cast<E*>(ema) + begin;
+  E* t = static_cast<E*>(theta0) + begin;
+  E* o = static_cast<E*>(out) + begin;
+  const S* s = static_cast<const S*>(src) + begin;
+  const int64_t n = end - begin;
+  const LerpCoeff<opmath_t> cb = lerp_coeff(beta);
+  const LerpCoeff<opmath_t> c0 = lerp_coeff(w0);
+  const int mask = (beta != 0 ? 1 : 0) | (w0 != 0 ? 2 : 0) | (alpha != 0 ? 4 : 0);
+  switch (mask) {
+    case 1:
+      return bema_range<E, S, true, false, false>(e, t, o, s, n, cb, c0, alpha);
+    case 2:
+      return bema_range<E, S, false, true, false>(e, t, o, s, n, cb, c0, alpha);
+    case 3:
+      return bema_range<E, S, true, true, false>(e, t, o, s, n, cb, c0, alpha);
+    case 4:
+      return bema_range<E, S, false, false, true>(e, t, o, s, n, cb, c0, alpha);
+    case 5:
+      return bema_range<E, S, true, false, true>(e, t, o, s, n, cb, c0, alpha);
+    case 6:
+      return bema_range<E, S, false, true, true>(e, t, o, s, n, cb, c0, alpha);
+    case 7:
+      return bema_range<E, S, true, true, true>(e, t, o, s, n, cb, c0, alpha);
+    default:
+      return;
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fused_ema::cpu

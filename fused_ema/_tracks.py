@@ -1,0 +1,174 @@
+"""Several ModelEmas of one model updated as one (PostHocEma's power-function EMAs, Bema's EMA,
+theta0 and corrected weights): the first track's update also updates the others from one read of
+the model, and their checkpoints are one, all or nothing. Each class says what its header holds
+(state_dict()'s keys beside the tracks) and how the tracks are combined (updater.Updater.follow)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._state import nested_state
+from .checkpoint import read_source
+from .ema import ModelEma
+from .errors import CheckpointError
+
+
+class TrackSet(nn.Module):
+    FORMAT = ""
+    FORMAT_VERSION = 1
+    JOINT = "lerp_many"  # how the leader's update combines the tracks (plan.DeviceGroup)
+
+    def _start(self, tracks: tuple[ModelEma, ...], names: tuple[str, ...]) -> None:
+        """Called once by the subclass's __init__ with its tracks, the leader first."""
+        self._tracks = tracks
+        self._track_names = names  # the prefixes of their keys in a parent's state_dict
+        self._follow()
+
+    def _follow(self) -> None:
+        leader = self._tracks[0]._updater
+        for track in self._tracks[1:]:
+            track._updater.follow(leader, track, self.JOINT)
+
+    # ------------------------------------------------------------------ what a subclass adds
+
+    def _header(self) -> dict:
+        """state_dict()'s keys besides format, format_version and the tracks ("emas")."""
+        return {}
+
+    def _header_problems(self, state: dict) -> list[str]:
+        """What is wrong with a checkpoint's header (its format already matched)."""
+        return []
+
+    def _restore_header(self, state: dict) -> None:
+        """Applies a checked header, after every track loaded."""
+
+    def _nested_extras(self) -> dict[str, torch.Tensor]:
+        """Keys a parent module's state_dict() gets besides the tracks' (without the prefix)."""
+        return {}
+
+    def _restore_nested(self, values: dict) -> None:
+        """Applies those keys' values (all present), after every track loaded."""
+
+    # ------------------------------------------------------------------ shared behaviour
+
+    @property
+    def step(self) -> int:
+        return self._tracks[0].step
+
+    def synchronize(self) -> None:
+        """Waits for a non_blocking update still running (raising the error it ended with)."""
+        self._tracks[0].synchronize()
+
+    def resync(self, model: nn.Module) -> None:
+        """ModelEma.resync for every track."""
+        for track in self._tracks:
+            track.resync(model)
+
+    def to(self, *args, **kwargs):
+        for track in self._tracks:
+            track.to(*args, **kwargs)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        return self  # as ModelEma: a parent's .to() leaves the EMAs where they were asked to be
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Every track's state_dict and the header. A parent module's state_dict() gets flat keys:
+        each track's under ``{prefix}{name}.``."""
+        if args:
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
+        self._tracks[0].synchronize()
+        if destination is None and not prefix:
+            return {
+                "format": self.FORMAT,
+                "format_version": self.FORMAT_VERSION,
+                **self._header(),
+                "emas": [track.state_dict() for track in self._tracks],
+            }
+        for name, track in zip(self._track_names, self._tracks):
+            destination = track.state_dict(
+                destination=destination, prefix=f"{prefix}{name}.", keep_vars=keep_vars
+            )
+        for key, value in self._nested_extras().items():
+            destination[prefix + key] = value
+        return destination
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        """Restores every track and the header from state_dict()'s dict (or a file), all or
+        nothing: each track's checkpoint is checked and converted before any is written."""
+        kind = type(self).__name__
+        state, source = read_source(state, f"{kind} checkpoint")
+        self._tracks[0].synchronize()
+        problems = self._format_problems(state)
+        if problems:
+            raise CheckpointError(problems, source)
+        prepared = []
+        for name, track, own in zip(self._track_names, self._tracks, state["emas"]):
+            try:
+                prepared.append(track._state.prepare(own, strict))
+            except CheckpointError as err:
+                raise CheckpointError([f"{name}: {p}" for p in err.problems], source) from None
+        results = [track._state.apply(*p) for track, p in zip(self._tracks, prepared)]
+        self._restore_header(state)
+        return results[0]
+
+    def _format_problems(self, state) -> list[str]:
+        kind = type(self).__name__
+        if not isinstance(state, dict) or state.get("format") != self.FORMAT:
+            return [f"not a {kind} state dict (expected 'format': {self.FORMAT!r})"]
+        problems = []
+        if state.get("format_version") != self.FORMAT_VERSION:
+            problems.append(
+                f"format_version {state.get('format_version')!r}: expected {self.FORMAT_VERSION}"
+            )
+        problems += self._header_problems(state)
+        emas = state.get("emas")
+        if not isinstance(emas, (list, tuple)) or len(emas) != len(self._tracks):
+            problems.append(f"'emas' must list {len(self._tracks)} EMA state dicts")
+        return problems
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        """A parent module's load_state_dict(): every track's keys, all or nothing."""
+        self._tracks[0].synchronize()
+        ready, found = [], set()
+        ok = True
+        for name, track in zip(self._track_names, self._tracks):
+            sub = f"{prefix}{name}."
+            meta = (
+                state_dict._metadata.get(sub[:-1], {}) if hasattr(state_dict, "_metadata") else {}
+            )
+            own, missing, unexpected = nested_state.read(state_dict, sub, meta)
+            found.update(key for key in state_dict if key.startswith(sub))
+            missing_keys.extend(missing)
+            unexpected_keys.extend(unexpected)
+            prepared = nested_state.report(
+                lambda own, track=track, sub=sub: track._state.prepare(own, False, source=sub[:-1]),
+                track._binding.table,
+                own,
+                sub,
+                missing_keys,
+                unexpected_keys,
+                errors,
+            )
+            ok = ok and prepared is not None and not missing and not unexpected
+            ready.append(prepared)
+        extras = {}
+        for key in self._nested_extras():
+            found.add(prefix + key)
+            if prefix + key not in state_dict:
+                missing_keys.append(prefix + key)
+                ok = False
+            else:
+                extras[key] = state_dict[prefix + key]
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
+        if ok:
+            for track, prepared in zip(self._tracks, ready):
+                track._state.apply(*prepared)
+            self._restore_nested(extras)
+
+    def __setstate__(self, state: dict) -> None:
+        nn.Module.__setstate__(self, state)
+        self._follow()

@@ -1,0 +1,332 @@
+"""fused_ema.Bema, the bias-corrected EMA: its EMA, theta0 and corrected weights against an
+independent float64 implementation of the paper's formulas (with TRL's meaning of t) over real
+training runs, one fused pass per update, exact resume, checkpoints all or nothing, the evaluation
+views, structure changes, compile, and bad arguments refused by name."""
+
+import copy
+
+import pytest
+import torch
+from bema_reference import PaperBema
+from torch import nn
+
+import fused_ema
+from conftest import DEVICES
+from fused_ema import Bema
+from fused_ema.errors import CheckpointError
+
+
+def net(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    return model.to(device=device, dtype=dtype)
+
+
+def train(model, steps, on_step, seed=1, device="cpu", first=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for t in range(first, first + steps):
+        x = torch.randn(32, 12, generator=g).to(device=device, dtype=dtype)
+        y = torch.randn(32, 3, generator=g).to(device=device, dtype=dtype)
+        loss = (model(x) - y).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        on_step(t)
+
+
+def max_rel_error(ema: fused_ema.ModelEma, ref: dict) -> float:
+    weights = ema.state_dict()["weights"]
+    worst = 0.0
+    for name, value in ref.items():
+        got = weights[name].double().cpu()
+        if not value.is_floating_point():
+            assert torch.equal(weights[name].cpu(), value), name
+            continue
+        scale = value.abs().max().clamp_min(1e-12)
+        worst = max(worst, float((got - value).abs().max() / scale))
+    return worst
+
+
+CONFIGS = [
+    {},
+    {"update_freq": 1},
+    {"update_freq": 3, "update_after": 5},
+    {"update_freq": 2, "update_after": 4, "lag": 0, "multiplier": 0.5, "min_ema_multiplier": 0.2},
+    {"update_freq": 1, "ema_power": 0.0, "bias_power": 0.0},  # no EMA, full correction
+    {"update_freq": 2, "bias_power": 8.0, "lag": 3, "multiplier": 2.0},
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items())
+)
+def test_follows_the_papers_formulas_over_a_training_run(device, config):
+    model = net(device=device)
+    config = {"update_freq": 4, **config}
+    bema = Bema(model, **config)
+    ref = PaperBema(model, **config)
+
+    def step(t):
+        bema.update(model)
+        ref.update(model, t)
+
+    train(model, 40, step, device=device)
+    assert bema.step == 40
+    assert max_rel_error(bema.ema, ref.ema) < 1e-5
+    assert max_rel_error(bema.theta0, ref.theta0) < 1e-5
+    assert max_rel_error(bema.corrected, ref.out) < 1e-5
+    module = bema.module.state_dict()
+    for name, value in ref.out.items():
+        got = module[name].cpu()
+        assert torch.allclose(got.to(value.dtype), value, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bfloat16_model_feeds_a_float32_bema(device):
+    model = net(torch.bfloat16, device)
+    bema = Bema(model, update_freq=2, update_after=3)
+    ref = PaperBema(model, update_freq=2, update_after=3)
+    assert bema.corrected.state_dict()["weights"]["0.weight"].dtype == torch.float32
+    train(model, 20, lambda t: (bema.update(model), ref.update(model, t)), device=device)
+    assert max_rel_error(bema.corrected, ref.out) < 1e-5
+
+
+def test_the_trainers_step_decides_as_in_trl():
+    """update(model, step=global_step): steps given out of a plain count (a resumed trainer)."""
+    model = net()
+    bema = Bema(model, update_freq=5, update_after=2)
+    ref = PaperBema(model, update_freq=5, update_after=2)
+    train(model, 20, lambda t: (bema.update(model, step=t + 100), ref.update(model, t + 100)))
+    assert bema.step == 120
+    assert max_rel_error(bema.corrected, ref.out) < 1e-5
+    assert bema.factors(120) == pytest.approx(((10 + 120) ** -0.5, (10 + 120) ** -0.2))
+
+
+def test_one_fused_pass_per_update(monkeypatch):
+    """The three tracks update through one bema_ call per device, not one lerp_ per track."""
+    import fused_ema._update.plan as plan
+
+    model = net()
+    bema = Bema(model, update_freq=1)
+    calls = []
+    real_bema, real_lerp = plan.bema_, plan.lerp_
+
+    def fused(ema, theta0, out, src, weights):
+        calls.append((len(ema), len(theta0), len(out), len(src)))
+        return real_bema(ema, theta0, out, src, weights)
+
+    def lerp(*args, **kw):
+        calls.append(("lerp",))
+        return real_lerp(*args, **kw)
+
+    monkeypatch.setattr(plan, "bema_", fused)
+    monkeypatch.setattr(plan, "lerp_", lerp)
+    train(model, 3, lambda t: bema.update(model))
+    n = sum(1 for v in model.state_dict().values() if v.is_floating_point())
+    assert calls == [(n, n, n, n)] * 3
+
+
+def test_swapped_module_and_copy_to_give_the_corrected_weights():
+    model = net()
+    bema = Bema(model, update_freq=2)
+    train(model, 6, lambda t: bema.update(model))
+    corrected = {k: v.clone() for k, v in bema.corrected.state_dict()["weights"].items()}
+    training = copy.deepcopy(model.state_dict())
+    x = torch.randn(5, 12)
+    model.eval()
+    with bema.swapped(model):
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, corrected[name].to(value.dtype)), name
+        inside = model(x)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, training[name]), name
+    bema.eval()
+    assert torch.equal(bema(x), inside)
+    assert bema.running_model is bema.module
+    other = net()
+    bema.copy_to(other)
+    assert torch.equal(other[0].weight, corrected["0.weight"])
+
+
+def test_a_resumed_run_continues_bit_for_bit(tmp_path):
+    model = net()
+    whole = Bema(model, update_freq=3, update_after=2)
+    snapshot = {}
+
+    def step(t):
+        whole.update(model)
+        if t == 7:
+            snapshot["model"] = copy.deepcopy(model)
+            torch.save(whole.state_dict(), tmp_path / "bema.pt")
+
+    train(model, 7, step)
+    resumed_model = snapshot["model"]
+    resumed = Bema(resumed_model, update_freq=3, update_after=2)
+    resumed.load_state_dict(tmp_path / "bema.pt")
+    assert resumed.step == 7
+    train(model, 8, lambda t: whole.update(model), seed=5, first=8)
+    train(resumed_model, 8, lambda t: resumed.update(resumed_model), seed=5, first=8)
+    for a, b in zip(whole._tracks, resumed._tracks):
+        assert a.step == b.step == 15
+        for name, value in a.state_dict()["weights"].items():
+            assert torch.equal(value, b.state_dict()["weights"][name]), name
+
+
+def test_a_damaged_or_foreign_checkpoint_is_refused_whole_and_changes_nothing():
+    model = net()
+    bema = Bema(model, update_freq=2)
+    train(model, 4, lambda t: bema.update(model))
+    good = bema.state_dict()
+    other = Bema(model, update_freq=2)
+    train(model, 3, lambda t: other.update(model))
+    before = [copy.deepcopy(t.state_dict()) for t in other._tracks]
+    bad = copy.deepcopy(good)
+    bad["emas"][2]["weights"]["0.weight"] = torch.zeros(3, 3)  # the corrected weights are wrong
+    with pytest.raises(CheckpointError, match="corrected"):
+        other.load_state_dict(bad)
+    other_options = copy.deepcopy(good)
+    other_options["options"]["update_freq"] = 400
+    with pytest.raises(CheckpointError, match="update_freq 400 in the checkpoint"):
+        other.load_state_dict(other_options)
+    with pytest.raises(CheckpointError, match="not a Bema state dict"):
+        other.load_state_dict(good["emas"][0])
+    truncated = copy.deepcopy(good)
+    truncated["emas"] = truncated["emas"][:2]
+    with pytest.raises(CheckpointError, match="3 EMA state dicts"):
+        other.load_state_dict(truncated)
+    for b, track in zip(before, other._tracks):
+        assert track.step == 3
+        for name, value in b["weights"].items():
+            assert torch.equal(value, track.state_dict()["weights"][name]), name
+
+
+def test_inside_a_parent_modules_state_dict_it_round_trips():
+    class Holder(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            self.bema = Bema(model, update_freq=2)
+
+    model = net()
+    holder = Holder(model)
+    train(model, 5, lambda t: holder.bema.update(model))
+    state = holder.state_dict()
+    assert "bema.corrected.weights.0.weight" in state and "bema.theta0.step" in state
+    other = Holder(net())
+    other.load_state_dict(state)
+    for a, b in zip(holder.bema._tracks, other.bema._tracks):
+        assert a.step == b.step == 5
+        assert torch.equal(a.state_dict()["weights"]["3.bias"], b.state_dict()["weights"]["3.bias"])
+    del state["bema.theta0.weights.0.weight"]
+    fresh = Holder(net())
+    with pytest.raises(RuntimeError, match="bema.theta0.weights.0.weight"):
+        fresh.load_state_dict(state)
+    assert all(t.step == 0 for t in fresh.bema._tracks)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"update_freq": 0}, "update_freq"),
+        ({"update_freq": 2.5}, "update_freq"),
+        ({"update_after": -1}, "update_after"),
+        ({"ema_power": -0.5}, "ema_power"),
+        ({"ema_power": float("nan")}, "ema_power"),
+        ({"bias_power": float("inf")}, "bias_power"),
+        ({"bias_power": "0.2"}, "bias_power"),
+        ({"lag": -1}, "lag"),
+        ({"multiplier": -1.0}, "multiplier"),
+        ({"lag": 0, "multiplier": 0}, "lag \\+ multiplier"),
+        ({"min_ema_multiplier": 1.5}, "min_ema_multiplier"),
+        ({"min_ema_multiplier": True}, "min_ema_multiplier"),
+        ({"buffers": "some"}, "buffers"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Bema(net(), **kwargs)
+
+
+def test_a_track_cannot_update_alone():
+    model = net()
+    bema = Bema(model, update_freq=1)
+    bema.update(model)
+    with pytest.raises(RuntimeError, match="update together"):
+        bema.corrected.update(model)
+    assert [t.step for t in bema._tracks] == [1, 1, 1]
+
+
+def test_every_track_follows_a_structure_change_or_refuses_it_whole():
+    model = net()
+    strict = Bema(model, update_freq=1)
+    following = Bema(model, update_freq=1, on_mismatch="resync")
+    train(model, 2, lambda t: (strict.update(model), following.update(model)))
+    model.append(nn.Linear(3, 2))
+    with pytest.raises(fused_ema.StructureMismatchError):
+        strict.update(model)
+    assert [t.step for t in strict._tracks] == [2, 2, 2]
+    following.update(model)
+    for track in following._tracks:
+        assert track.step == 3
+    # a new tensor starts as the model: its EMA and theta0 are the model, so is its correction
+    assert torch.equal(following.corrected.state_dict()["weights"]["4.weight"], model[4].weight)
+
+
+def test_non_blocking_updates_equal_blocking_ones():
+    model = net()
+    blocking = Bema(model, update_freq=2)
+    later = Bema(model, update_freq=2)
+    train(model, 7, lambda t: (blocking.update(model), later.update(model, non_blocking=True)))
+    later.synchronize()
+    for a, b in zip(blocking._tracks, later._tracks):
+        for name, value in a.state_dict()["weights"].items():
+            assert torch.equal(value, b.state_dict()["weights"][name]), name
+
+
+def test_a_compiled_training_step_updates_bema_as_eager_does():
+    model = net()
+    eager_model = copy.deepcopy(model)
+    compiled_bema = Bema(model, update_freq=2)
+    eager_bema = Bema(eager_model, update_freq=2)
+
+    @torch.compile(backend="eager")
+    def update(m):
+        compiled_bema.update(m)
+
+    def step(t):
+        update(model)
+        eager_model.load_state_dict(model.state_dict())
+        eager_bema.update(eager_model)
+
+    train(model, 5, step)
+    for a, b in zip(compiled_bema._tracks, eager_bema._tracks):
+        assert a.step == b.step == 5
+        for name, value in b.state_dict()["weights"].items():
+            assert torch.equal(value, a.state_dict()["weights"][name]), name
+
+
+def test_an_interrupt_before_the_fused_write_leaves_every_track_as_it_was(monkeypatch):
+    import fused_ema._update.plan as plan
+
+    model = net()
+    bema = Bema(model, update_freq=1)
+    train(model, 2, lambda t: bema.update(model))
+    before = [copy.deepcopy(t.state_dict()) for t in bema._tracks]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan, "bema_", interrupted)
+    train(model, 1, lambda t: None)
+    with pytest.raises(KeyboardInterrupt):
+        bema.update(model)
+    monkeypatch.undo()
+    for b, track in zip(before, bema._tracks):
+        assert track.step == 2
+        for name, value in b["weights"].items():
+            assert torch.equal(value, track.state_dict()["weights"][name]), name
+    bema.update(model)
+    assert [t.step for t in bema._tracks] == [3, 3, 3]
