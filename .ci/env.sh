@@ -126,6 +126,24 @@ import huggingface_hub, tokenizers, safetensors, regex, typer, yaml, psutil, req
       || fused_ema_log "could not install lightning/transformers/accelerate/diffusers:" \
         "those tests will be skipped"
   fi
+  # TRL's BEMACallback, the reference of fused_ema.Bema (tests/trl_reference.py and
+  # benchmarks/bema.py): trl goes in without its dependencies (accelerate and transformers are
+  # above; pip would resolve them again, with a torch of its own), then what importing
+  # trl.trainer.callbacks needs, with pip's usual resolution: datasets, pandas, pyarrow (and
+  # dill, multiprocess, xxhash; none of them needs torch).
+  fused_ema_trl="trl==1.16.0"
+  fused_ema_trl_deps="datasets==5.2.0 pandas>=2.1.1 pyarrow>=21.0.0"
+  # shellcheck disable=SC2086
+  if ! fused_ema_pinned $fused_ema_trl || ! python -c "import datasets, pandas, pyarrow" \
+      >/dev/null 2>&1; then
+    fused_ema_log "installing $fused_ema_trl without its dependencies, then datasets, pandas," \
+      "pyarrow (torch left as is)"
+    # shellcheck disable=SC2086
+    { python -m pip install -q --no-deps $fused_ema_trl \
+        && python -m pip install -q $fused_ema_trl_deps; } \
+      || fused_ema_log "could not install trl: the comparisons with TRL's BEMACallback will" \
+        "be skipped"
+  fi
   # The documentation site's tools (pyproject's docs extra, the same pins): tests/test_docs.py
   # builds the site strictly, and fails in CI without them. None of them needs torch.
   fused_ema_docs_tools="mkdocs==1.6.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11

@@ -27,6 +27,10 @@ from types import ModuleType
 import fused_ema
 
 TIMM_VERSION = "1.0.31"  # the version .ci/env.sh installs (with --no-deps)
+TRL_VERSION = "1.16.0"  # likewise (with --no-deps, then datasets, pandas, pyarrow)
+TRL_INSTALL = (
+    f"pip install --no-deps trl=={TRL_VERSION} && pip install datasets==5.2.0 pandas pyarrow"
+)
 _TIMM_MODULE_NAME = "_fused_ema_peers_timm_model_ema"
 
 
@@ -144,3 +148,15 @@ def load_lightning() -> ModuleType:
     if not hasattr(callbacks, "EMAWeightAveraging"):
         raise PeerUnavailable(f"lightning {module.__version__} has no EMAWeightAveraging")
     return module
+
+
+def load_trl_bema_callback() -> type:
+    """TRL's BEMACallback class (trl.trainer.callbacks, the module `from trl import BEMACallback`
+    loads), the reference of fused_ema.Bema. Importing it needs trl, accelerate, transformers,
+    datasets, pandas and pyarrow; none of them pulls a torch of its own when trl goes in with
+    --no-deps."""
+    module = _import("trl.trainer.callbacks", f"trl (TRL {TRL_VERSION})", TRL_INSTALL)
+    if not hasattr(module, "BEMACallback"):
+        found = importlib.metadata.version("trl")
+        raise PeerUnavailable(f"trl {found} has no BEMACallback (needs trl=={TRL_VERSION})")
+    return module.BEMACallback

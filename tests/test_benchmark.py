@@ -247,3 +247,58 @@ def test_profile_of_one_update_is_written(tmp_path):
     assert "ModelEma.update" in names and "fused_ema::lerp_" in names, sorted(map(str, names))[:40]
     table = next(tmp_path.glob("profile_update_vit_b16_*.txt")).read_text()
     assert "ModelEma.update" in table
+
+
+def test_bema_benchmark_runs_at_small_scale(tmp_path):
+    """benchmarks/bema.py on a tiny GPT-2: every contender that can run is checked against the
+    reference and timed; one that cannot (TRL not installed, fused_ema.Bema not built yet) says
+    why in the record and the table instead of passing silently."""
+    pytest.importorskip("transformers", reason="benchmarks/bema.py builds a transformers GPT-2")
+    from benchmarks import bema, peers
+
+    args = ["--scale", "small", "--rounds", "2", "--reps", "1", "--warmup", "1"]
+    args += ["--out", str(tmp_path)]
+    record = bema.main(args)
+    result = record["result"]
+    assert result["parameters"] > 0 and result["tensors"] > 0
+    statuses = {name: c["status"] for name, c in result["contenders"].items()}
+    reasons = {bema.FUSED: bema.bema_missing(), bema.FOREACH: None}
+    try:
+        peers.load_trl_bema_callback()
+        reasons[bema.TRL] = None
+    except peers.PeerUnavailable as err:
+        reasons[bema.TRL] = str(err)
+    assert sorted(statuses) == sorted(reasons)
+    for name, reason in reasons.items():
+        if reason:
+            assert statuses[name] == f"n/a: {reason}", name
+        else:
+            assert statuses[name] == "ok", (name, statuses[name])
+            assert result["contenders"][name]["median_ms"] > 0
+    for name, error in result["max_rel_error"].items():
+        assert error <= bema.TOLERANCE, (name, error)
+    assert sorted(p.suffix for p in tmp_path.glob("bema_*")) == [".json", ".md"]
+    table = next(tmp_path.glob("bema_*.md")).read_text()
+    for name, reason in reasons.items():
+        assert name in table and (reason is None or reason in table)
+
+
+def test_bema_benchmark_checks_trl_and_rejects_a_wrong_contender(tmp_path):
+    """With TRL installed, TRL's own BEMACallback is the reference the other contenders are held
+    to, and a contender computing another alpha is caught before it is timed."""
+    pytest.importorskip("transformers", reason="benchmarks/bema.py builds a transformers GPT-2")
+    from benchmarks import bema
+    from trl_reference import trl_bema_callback
+
+    cls = trl_bema_callback()
+    model = bema.build_model("small")
+    trl = bema.TrlContender(model, tmp_path)
+    assert type(trl.callback) is cls
+
+    class WrongAlpha(bema.ForeachContender):
+        def _update(self, step):
+            super()._update(step + 5)
+
+    made = {bema.TRL: trl, bema.FOREACH: bema.ForeachContender(model), "wrong": WrongAlpha(model)}
+    errors = bema.check(made, bema.Perturber(model))
+    assert errors[bema.FOREACH] <= bema.TOLERANCE < errors["wrong"]
