@@ -121,8 +121,8 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   if (!finite(lag) || (bema ? !(lag >= 0.0) : lag != 0.0)) {
     return kBemaLag;
   }
-  if (!finite(multiplier) || (bema ? !(multiplier >= 0.0 && lag + multiplier > 0.0)
-                                   : multiplier != 0.0)) {
+  if (!finite(multiplier) ||
+      (bema ? !(multiplier >= 0.0 && lag + multiplier > 0.0) : multiplier != 0.0)) {
     return kBemaMultiplier;
   }
   if (!finite(config[kBemaEmaPower]) ||

@@ -5,6 +5,7 @@ be installed beside this torch."""
 
 import pytest
 import torch
+
 from trl_reference import trl_bema_callback
 
 transformers = pytest.importorskip("transformers")
