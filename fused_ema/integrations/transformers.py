@@ -164,8 +164,8 @@ class BEMACallback(EMACallback):
     corrected module.
 
     Args:
-        update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier,
-            device: trl.BEMACallback's (device "cpu" by default, as TRL's).
+        update_freq, ema_power, bias_power, lag, update_after: trl.BEMACallback's (see Bema).
+        multiplier, min_ema_multiplier, device: trl.BEMACallback's ("cpu" by default, as TRL's).
         resume_from, on_missing: as EMACallback.
         **bema_kwargs: any other Bema keyword (dtype=, buffers=, ...).
     """
