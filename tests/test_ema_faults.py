@@ -673,6 +673,11 @@ def test_sigalrm_at_tiny_intervals_never_changes_the_callers_grad_mode(grad):
     and over, during each call (the non_blocking update's worker included)."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach the main thread only")
+    if sys.version_info < (3, 12):
+        # Known, open: on 3.11 an interrupt landing inside ThreadPoolExecutor.submit (the
+        # non_blocking worker's hand-off) can leave its Condition half-released, "RuntimeError:
+        # release unlocked lock" instead of the KeyboardInterrupt (seen in CI, intermittently).
+        pytest.skip("Python 3.11: an interrupt inside ThreadPoolExecutor.submit (open issue)")
     torch.manual_seed(8)
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(16)])
     ema = fused_ema.ModelEma(model, decay=0.75, on_mismatch="resync")

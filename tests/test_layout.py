@@ -28,7 +28,8 @@ LAYERS = [
     ("checkpoint",),  # public: checkpoint formats
     ("_state",),  # options, checkpoints of the EMA, placement, stats
     ("ema",),  # public: the ModelEma façade
-    ("posthoc",),  # public: post-hoc EMA snapshots and synthesis
+    ("_tracks",),  # several ModelEmas updated as one (PostHocEma, Bema)
+    ("posthoc", "bema"),  # public: post-hoc EMA snapshots and synthesis; BEMA
     ("integrations", "__init__", "__main__"),
 ]
 TEST_ONLY = ("_philox", "_stochastic_round", "_cuda_small_params")
