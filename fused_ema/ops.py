@@ -1,6 +1,7 @@
-"""The fused multi-tensor lerp: its Python entry point, the fake kernel that lets torch.compile
-trace it, and build/CPU-path introspection. The checks that need every tensor run in C++
-(csrc/lerp_plan.cpp), so a 20,000-tensor list costs no Python loop."""
+"""The fused ops' Python entry points (lerp_, lerp_stochastic_, lerp_many_, bema_) and
+build/CPU-path introspection; their fake kernels and metadata checks are in _ext/op_meta.py. The
+checks that need every tensor run in C++ (csrc/lerp_plan.cpp), so a 20,000-tensor list costs no
+Python loop."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import torch
 
 from ._dist.dtensor import any_dtensor, shard_lists, shard_offset
 from ._ext.loader import _C
+from ._ext.op_meta import BEMA_LISTS as _BEMA_LISTS
+from ._ext.op_meta import BEMA_OP as _BEMA_OP
+from ._ext.op_meta import MANY_OP as _MANY_OP
+from ._ext.op_meta import SR_OP as _SR_OP
+from ._ext.op_meta import SUPPORTED_DTYPE_PAIRS as SUPPORTED_DTYPE_PAIRS  # public here
+from ._ext.op_meta import weight_type_error as _weight_type_error
 from ._version import __version__
 
-#: (ema dtype, src dtype) pairs the kernels support; a float32 EMA may follow a 16-bit model.
-#: The list is the C++ one (csrc/dtype_pair_list.h), so the two cannot drift apart.
 _is_compiling = torch.compiler.is_compiling
-SUPPORTED_DTYPE_PAIRS = tuple((getattr(torch, e), getattr(torch, s)) for e, s in _C.DTYPE_PAIRS)
 
 Weight = float | torch.Tensor
 
@@ -54,7 +58,6 @@ def lerp_(
     op(ema, src, weight)
 
 
-_SR_OP = "fused_ema.lerp_stochastic_: "
 _INT64_RANGE = 2**64
 _INT64_MIN = -(2**63)
 
@@ -106,9 +109,6 @@ def lerp_stochastic_(
     torch.ops.fused_ema.lerp_stochastic_(
         ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
     )
-
-
-_MANY_OP = "fused_ema.lerp_many_: "
 
 
 def lerp_many_(
@@ -230,8 +230,6 @@ def _track_keys(keys, count: int, tensors: int) -> list:
     return flat
 
 
-_BEMA_OP = "fused_ema.bema_: "
-_BEMA_LISTS = ("ema", "theta0", "out")
 _BEMA_WEIGHTS = ("beta", "w0", "alpha")
 
 
@@ -331,211 +329,6 @@ def _tensor_list(
         raise TypeError(f"{op}{name} must be a sequence of tensors, not a tensor")
     tensors = tensors if isinstance(tensors, list) else list(tensors)
     return tensors
-
-
-def _weight_type_error(weight) -> str:
-    return f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {type(weight).__name__}"
-
-
-@torch.library.register_fake("fused_ema::lerp_")
-def _lerp_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight) -> None:
-    if isinstance(weight, (bool, complex)):
-        raise TypeError(_weight_type_error(weight))
-    _check_fake(ema, src)
-
-
-@torch.library.register_fake("fused_ema::lerp_.Tensor")
-def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: torch.Tensor):
-    _check_fake(ema, src)
-    if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
-        raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
-    _refuse_meta("fused_ema.lerp_: ", [weight])
-
-
-@torch.library.register_fake("fused_ema::lerp_stochastic_")
-def _lerp_stochastic_fake(ema, src, weight, step, seed, keys, offsets) -> None:
-    """The metadata checks of csrc/lerp_op.cpp (lerp_stochastic), with the same messages."""
-    _check_fake(ema, src)
-    if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
-        raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
-    if step.numel() != 1 or step.dim() > 1 or step.dtype != torch.int64:
-        raise ValueError(
-            f"{_SR_OP}step must be one int64 element (a 0-dim tensor), got {_dtype_name(step)} "
-            f"of shape {list(step.shape)}"
-        )
-    for name, values in (("keys", keys), ("offsets", offsets)):
-        if len(values) != len(ema):
-            raise ValueError(
-                f"{_SR_OP}{name} has {len(values)} entries but ema has {len(ema)} tensors"
-            )
-    _refuse_meta(_SR_OP, [weight, step])
-
-
-@torch.library.register_fake("fused_ema::lerp_many_")
-def _lerp_many_fake(emas, src, weights) -> None:
-    """The metadata checks of csrc/lerp_many.cpp, with the same messages."""
-    _check_tracks_fake(emas, src, weights)
-
-
-@torch.library.register_fake("fused_ema::lerp_many_stochastic_")
-def _lerp_many_stochastic_fake(emas, src, weights, step, seeds, keys, offsets) -> None:
-    tracks = _check_tracks_fake(emas, src, weights)
-    if step.numel() != 1 or step.dim() > 1 or step.dtype != torch.int64:
-        raise ValueError(
-            f"{_MANY_OP}step must be one int64 element (a 0-dim tensor), got {_dtype_name(step)} "
-            f"of shape {list(step.shape)}"
-        )
-    emas_text = f"emas has {len(emas)} tensors (one key per EMA tensor, track k's tensor i at "
-    for name, values, count, expected in (
-        ("seeds", seeds, tracks, f"there are {tracks} tracks (one seed per track)"),
-        ("keys", keys, len(emas), emas_text + "k * len(src) + i)"),
-        ("offsets", offsets, len(src), f"src has {len(src)} tensors"),
-    ):
-        if len(values) != count:
-            raise ValueError(f"{_MANY_OP}{name} has {len(values)} entries but {expected}")
-    _refuse_meta(_MANY_OP, [step])
-
-
-def _check_tracks_fake(emas, src, weights) -> int:
-    """lerp_many_'s checks of the weights and of every (EMA, src) pair; returns K."""
-    if weights.dim() != 1 or weights.numel() < 1:
-        raise ValueError(
-            f"{_MANY_OP}weights must be a 1-D tensor of one weight per track (at least one), got "
-            f"shape {list(weights.shape)}"
-        )
-    tracks = weights.numel()
-    if len(emas) != tracks * len(src):
-        raise ValueError(
-            f"{_MANY_OP}emas has {len(emas)} tensors but {tracks} weights of {len(src)} src "
-            f"tensors need {tracks * len(src)} (track k's tensor i at k * len(src) + i)"
-        )
-    if weights.dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"{_MANY_OP}weights must be float32 or float64, got {_dtype_name(weights)}"
-        )
-    _check_fake(emas, src, _MANY_OP, tensors=len(src))
-    _refuse_meta(_MANY_OP, [weights])
-    return tracks
-
-
-@torch.library.register_fake("fused_ema::bema_")
-def _bema_fake(ema, theta0, out, src, weights) -> None:
-    """The metadata checks of csrc/bema_op.cpp and the planner, with the same messages."""
-    lists = (ema, theta0, out)
-    for tensors, name in zip(lists, _BEMA_LISTS):
-        if len(tensors) != len(src):
-            raise ValueError(f"{_BEMA_OP}{name} has {len(tensors)} tensors but src has {len(src)}")
-    for i in range(len(src)):
-        for tensors, name in zip(lists[1:], _BEMA_LISTS[1:]):
-            if tensors[i].dtype != ema[i].dtype:
-                raise ValueError(
-                    f"{_BEMA_OP}{name}[{i}] is {_dtype_name(tensors[i])} but ema[{i}] is "
-                    f"{_dtype_name(ema[i])}; ema, theta0 and out share the EMA dtype"
-                )
-    if weights.dim() != 1 or weights.numel() != 3:
-        raise ValueError(
-            f"{_BEMA_OP}weights must be a 1-D tensor of 3 elements (beta, w0, alpha), got shape "
-            f"{list(weights.shape)}"
-        )
-    if weights.dtype not in (torch.float32, torch.float64):
-        raise ValueError(
-            f"{_BEMA_OP}weights must be float32 or float64, got {_dtype_name(weights)}"
-        )
-    for tensors, name in zip(lists, _BEMA_LISTS):
-        for i, (t, s) in enumerate(zip(tensors, src)):
-            if t.device != s.device:
-                raise RuntimeError(
-                    f"{_BEMA_OP}src[{i}] is on {s.device} but {name}[{i}] is on {t.device}"
-                )
-            if (t.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
-                raise ValueError(
-                    f"{_BEMA_OP}unsupported dtype pair at {name}[{i}]: ema {t.dtype}, src {s.dtype}"
-                )
-            if t.shape != s.shape:
-                raise ValueError(
-                    f"{_BEMA_OP}src[{i}] has shape {list(s.shape)} but {name}[{i}] has shape "
-                    f"{list(t.shape)}"
-                )
-        _refuse_meta(_BEMA_OP, tensors)
-    _refuse_meta(_BEMA_OP, [weights])
-    if src and weights.device.type != "cpu" and weights.device != src[0].device:
-        raise RuntimeError(
-            f"{_BEMA_OP}weights is on {weights.device} but EMA tensors are on {src[0].device}; "
-            "pass the weights on the EMAs' device, on the CPU, or as floats"
-        )
-
-
-@torch.library.register_fake("fused_ema::ema_schedule_")
-def _ema_schedule_fake(step, out, config, advance) -> None:
-    _check_schedule_tensors(step, out, config)
-    _refuse_meta("fused_ema.ema_schedule_: ", [step])
-
-
-def _refuse_meta(op: str, tensors: list[torch.Tensor]) -> None:
-    """register_fake makes the fake kernels the ops' Meta kernels too: real meta tensors arrive
-    here, where a silent return would pretend an update happened. FakeTensorMode (torch.compile)
-    calls the fake kernels with FakeTensors of the device they stand for, which pass."""
-    for t in tensors:
-        if t.device.type == "meta":
-            raise RuntimeError(
-                f"{op}meta tensors hold no data, so there is nothing to update; run the op on "
-                "tensors of a real device (torch.compile and FakeTensorMode trace it without "
-                "running it)"
-            )
-
-
-def _check_schedule_tensors(step, out, config) -> None:
-    """The tensor checks of the C++ kernels (csrc/schedule.cpp), with the same messages."""
-    op = "fused_ema.ema_schedule_: "
-    if step.dtype != torch.int64 or step.numel() != 1:
-        raise ValueError(
-            f"{op}step must be one int64 element, got {_dtype_name(step)} of shape "
-            f"{list(step.shape)}"
-        )
-    if out.dtype != torch.float64 or out.numel() != 2 or not out.is_contiguous():
-        raise ValueError(
-            f"{op}out must be 2 contiguous float64 elements (weight, decay), got "
-            f"{_dtype_name(out)} of shape {list(out.shape)}"
-        )
-    if config.dtype != torch.float64 or config.numel() != 12 or not config.is_contiguous():
-        raise ValueError(
-            f"{op}config must be 12 contiguous float64 elements (decay, min_decay, warmup_gamma, "
-            "warmup_power, update_after_step, update_every, warmup_kind, update_every_decay, lag, "
-            f"multiplier, ema_power, bias_power), got {_dtype_name(config)} of shape "
-            f"{list(config.shape)}"
-        )
-    if out.device != step.device:
-        raise RuntimeError(f"{op}out is on {out.device} but step is on {step.device}")
-    if config.device != step.device:
-        raise RuntimeError(f"{op}config is on {config.device} but step is on {step.device}")
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).split(".")[-1]
-
-
-def _check_fake(ema: list, src: list, op: str = "fused_ema.lerp_: ", tensors: int = 0) -> None:
-    """The metadata half of the C++ checks, so traced programs fail where eager ones would. With
-    `tensors` (lerp_many_'s N), `ema` holds tracks of N tensors one after another."""
-    if not tensors and len(ema) != len(src):
-        raise ValueError(f"{op}ema has {len(ema)} tensors but src has {len(src)}")
-    tracks = len(ema) // tensors if tensors else 1
-    for k in range(tracks):
-        for i, s in enumerate(src):
-            e = ema[k * tensors + i]
-            name = f"emas[{k}][{i}]" if tensors else f"ema[{i}]"
-            if e.device != s.device:
-                raise RuntimeError(f"{op}src[{i}] is on {s.device} but {name} is on {e.device}")
-            if (e.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
-                where = name if tensors else f"index {i}"
-                raise ValueError(
-                    f"{op}unsupported dtype pair at {where}: ema {e.dtype}, src {s.dtype}"
-                )
-            if e.shape != s.shape:
-                raise ValueError(
-                    f"{op}src[{i}] has shape {list(s.shape)} but {name} has shape {list(e.shape)}"
-                )
-    _refuse_meta(op, ema)
 
 
 def build_info() -> dict:
