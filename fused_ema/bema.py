@@ -191,14 +191,9 @@ def check_bema_options(
     """TRL's arguments, validated: each refused with its own name."""
     update_freq = whole_number("update_freq", update_freq, 1)
     update_after = whole_number("update_after", update_after, 0)
-    if isinstance(min_ema_multiplier, bool) or not isinstance(min_ema_multiplier, (int, float)):
-        raise ValueError(
-            f"min_ema_multiplier must be a number in [0, 1], got {min_ema_multiplier!r}"
-        )
-    if not 0.0 <= min_ema_multiplier <= 1.0:
-        raise ValueError(
-            f"min_ema_multiplier must be a number in [0, 1], got {min_ema_multiplier!r}"
-        )
+    floor = min_ema_multiplier
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
+        raise ValueError(f"min_ema_multiplier must be a number in [0, 1], got {floor!r}")
     _, _, lag, multiplier, ema_power, bias_power = check_bema(
         (BEMA, "ema", lag, multiplier, ema_power, bias_power)
     )
