@@ -673,11 +673,6 @@ def test_sigalrm_at_tiny_intervals_never_changes_the_callers_grad_mode(grad):
     and over, during each call (the non_blocking update's worker included)."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach the main thread only")
-    if sys.version_info < (3, 12):
-        # Known, open: on 3.11 an interrupt landing inside ThreadPoolExecutor.submit (the
-        # non_blocking worker's hand-off) can leave its Condition half-released, "RuntimeError:
-        # release unlocked lock" instead of the KeyboardInterrupt (seen in CI, intermittently).
-        pytest.skip("Python 3.11: an interrupt inside ThreadPoolExecutor.submit (open issue)")
     torch.manual_seed(8)
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(16)])
     ema = fused_ema.ModelEma(model, decay=0.75, on_mismatch="resync")
@@ -730,9 +725,13 @@ def test_an_interrupt_anywhere_in_swapped_restores_both_sides():
 
 
 @ignore_dropped
-def test_an_interrupt_anywhere_in_an_update_is_all_or_nothing():
+@pytest.mark.parametrize("point", [InterruptAt, InterruptAtLine], ids=["call", "line"])
+@pytest.mark.parametrize("non_blocking", [False, True], ids=["blocking", "non_blocking"])
+def test_an_interrupt_anywhere_in_an_update_is_all_or_nothing(non_blocking, point):
     """Deterministic, like the SIGALRM test above: after an update interrupted at any point, the
-    EMA is bitwise either as before or as one uninterrupted update makes it, and keeps working."""
+    EMA is bitwise either as before or as one uninterrupted update makes it, and keeps working.
+    non_blocking: also inside the hand-off of its CPU half to the worker thread (a job prepared,
+    queued or begun), which the interrupted call finishes or takes back before it returns."""
     model, ema = moved_ema(dtype=torch.float64)
     twin = copy.deepcopy(ema)  # updated, uninterrupted, whenever ema's update went through
     g = torch.Generator().manual_seed(11)
@@ -744,6 +743,7 @@ def test_an_interrupt_anywhere_in_an_update_is_all_or_nothing():
                 p.add_(torch.randn(p.shape, generator=g))
 
     def compare(interrupted):
+        ema.synchronize()
         outcomes.add((interrupted, ema.step != twin.step))
         if ema.step != twin.step:
             twin.update(model)
@@ -751,7 +751,8 @@ def test_an_interrupt_anywhere_in_an_update_is_all_or_nothing():
         perturb()
 
     perturb()
-    interrupted_everywhere(lambda: ema.update(model), compare)
+    update = lambda: ema.update(model, non_blocking=non_blocking)  # noqa: E731
+    interrupted_everywhere(update, compare, point=point)
     assert (True, False) in outcomes and (False, True) in outcomes
 
 

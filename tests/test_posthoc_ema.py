@@ -170,6 +170,36 @@ def test_snapshots_are_written_every_n_updates_with_their_metadata(tmp_path):
     ph.close()
 
 
+def test_snapshots_taken_just_before_the_interpreter_exits_are_written(tmp_path):
+    """The snapshot worker is a daemon thread; fused_ema waits for its queue at exit, so a script
+    whose last update takes a snapshot (non_blocking too) still finds its files complete."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    script = f"""
+import torch
+from torch import nn
+from fused_ema.posthoc import PostHocEma
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+ph = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir={str(tmp_path)!r})
+for step in range(4):
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ph.update(model, non_blocking=step % 2 == 1)
+torch.save(model.state_dict(), {str(tmp_path / "model.pt")!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == [f"{i:06d}-ema{k}.safetensors" for i in range(2) for k in range(2)]
+    last = load_file(str(tmp_path / "000001-ema0.safetensors"))
+    model = torch.load(tmp_path / "model.pt")
+    # weight 0 rose by 1 per update: its EMA lies strictly between the first and last values
+    assert 0 < (model["0.weight"] - last["0.weight"].float()).mean() < 3
+
+
 def test_the_last_snapshot_holds_the_ema_of_its_step(tmp_path):
     from safetensors.torch import load_file
 

@@ -1,21 +1,19 @@
 """What a non_blocking update needs beyond its plan: side streams for the copies out of the GPU,
-ordered against the training stream, and one worker thread for the CPU half, whose jobs run with
-autograd off (grad mode is per thread: the caller's no_grad does not reach it). The worker's error
-is kept and raised by wait(). Dropped (not copied) by deepcopy and pickling."""
+ordered against the training stream, and the job for the CPU half, run by fused_ema's update
+worker with autograd off (grad mode is per thread: the caller's no_grad does not reach it). The
+job's error is kept and raised by wait(). Dropped (not copied) by deepcopy and pickling."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
-from .._ext.grad import without_grad
+from .._ext.worker import UPDATES, Job
 
 
 class AsyncRunner:
     def __init__(self):
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+        self._worker = UPDATES
+        self._pending: Job | None = None
         self._side_streams: dict = {}
 
     @property
@@ -47,22 +45,43 @@ class AsyncRunner:
             events.append(done)
         return events
 
-    def job(self) -> Future | None:
+    def job(self) -> Job | None:
         """The job in flight, for another thread to wait on (its error stays for wait())."""
         return self._pending
 
-    def submit(self, fn) -> None:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_ema")
-        self._pending = self._worker.submit(without_grad, fn)
+    def prepare(self, fn) -> None:
+        """Makes `fn` the job in flight, not yet handed to the worker (launch() does)."""
+        self._pending = Job(fn)
+
+    def launch(self) -> None:
+        self._worker.put(self._pending)
+
+    def settle(self, started) -> None:
+        """After a call that prepared a job raised, before it decides whether its update
+        happened: a job the worker has not begun is run here if `started()` (part of the update
+        is written, so it must finish) or dropped; one the worker has begun is waited for."""
+        job = self._pending
+        if job.claim():
+            if started():
+                job.run()
+            else:
+                job.drop("its update was interrupted before it was handed over")
+        else:
+            job.wait()
+        self._pending = None
 
     def wait(self) -> None:
-        """Waits for the job in flight; raises the error it ended with."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Waits for the job in flight; raises the error it ended with. Interrupted while
+        waiting, the job stays in flight."""
+        job = self._pending
+        if job is not None:
+            error = job.wait()
+            self._pending = None
+            if error is not None:
+                raise error
 
     def close(self) -> None:
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.shutdown(wait=True)
+        """Nothing left running for this runner (the worker thread is shared)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None

@@ -328,7 +328,8 @@ class UpdatePlan:
     def start(self, walk: list, schedule, runner) -> bool:
         """A non_blocking update: device EMAs update in stream order now; the copies for a CPU
         EMA are issued on side streams and a worker thread averages once they have landed.
-        Returns whether work was left to the worker."""
+        Returns whether work was left to the worker. That job is prepared before anything is
+        written, so a caller interrupted anywhere can settle it (AsyncRunner.settle)."""
         weight, step = schedule.weight, schedule.step
         self._marks = [p._version for p in self._probes]
         skipped = _zero_on_host(weight)
@@ -342,24 +343,25 @@ class UpdatePlan:
             for c in self.copies.values()
             if not c.staging
         ]
-        _run_to_the_end(writes)
         pairs = [pair for g in later for pair in g.staged_copies(walk)]
         pairs += [(v, local(walk[i])) for c in snapped for v, i in zip(c.staging, c.index)]
-        if not pairs:
-            return False
-        events = runner.issue_copies(pairs)
-        later_writes = [(lambda g=g: g.lerp(g.staging, weight, step), g.ema[0]) for g in later]
-        later_writes += [
-            (lambda c=c: torch._foreach_copy_(c.ema, c.staging), c.ema[0]) for c in snapped
-        ]
+        if pairs:
+            events = runner.issue_copies(pairs)
+            later_writes = [(lambda g=g: g.lerp(g.staging, weight, step), g.ema[0]) for g in later]
+            later_writes += [
+                (lambda c=c: torch._foreach_copy_(c.ema, c.staging), c.ema[0]) for c in snapped
+            ]
 
-        def finish():
-            for event in events:
-                event.synchronize()
-            _run_to_the_end(later_writes)
+            def finish():
+                for event in events:
+                    event.synchronize()
+                _run_to_the_end(later_writes)
 
-        runner.submit(finish)
-        return True
+            runner.prepare(finish)
+        _run_to_the_end(writes)
+        if pairs:
+            runner.launch()
+        return bool(pairs)
 
     def _stage(self, groups, values: list) -> None:
         """Copies staged sources into place; nothing of the EMA is written yet."""

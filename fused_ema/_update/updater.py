@@ -129,6 +129,8 @@ class Updater:
             else:
                 plan.run(walk, weights, values)
         except BaseException:
+            if self.runner.busy:
+                self.runner.settle(plan.started)  # a job this call prepared: finished or dropped
             if plan is not None and plan.started():
                 self._commit()  # it wrote, so it finished: only the error propagates
             else:

@@ -210,7 +210,7 @@ class PostHocEma(TrackSet):
         return synthesize(self.snapshot_dir, sigma_rel=sigma_rel, gamma=gamma, step=step)
 
     def close(self) -> None:
-        """Writes what is pending and stops the snapshot thread."""
+        """Waits until every snapshot taken is written; raises the first failure."""
         self._snapshots.writer.flush()
         self._snapshots.writer.close()
 

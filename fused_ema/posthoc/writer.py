@@ -6,27 +6,24 @@ call."""
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
-from .._ext.grad import without_grad
+from .._ext.worker import SNAPSHOTS, Dropped, Job
 from .snapshots import write_snapshot
 
 
 class SnapshotWriter:
     def __init__(self):
-        self._worker: ThreadPoolExecutor | None = None
-        self._staged = threading.Event()
-        self._staged.set()
-        self._written: list[Future] = []
+        self._staging: Job | None = None  # the last snapshot's staging: wait_staged() waits for it
+        self._written: list[Job] = []
 
-    def submit(self, jobs: list, wait_for: Future | None) -> None:
+    def submit(self, jobs: list, wait_for: Job | None) -> None:
         """Writes each (path, tensors, metadata) of `jobs`, its tensors staged first: CUDA ones
         copied now into pinned memory in stream order, CPU ones on the worker once `wait_for`
-        (a non_blocking update still writing them) is done."""
+        (a non_blocking update still writing them) is done. Two jobs of the snapshot worker, in
+        order: the staging, then the files."""
         self.raise_failure()
+        self.wait_staged()
         staged = []
         events = []
         for path, tensors, metadata, dtype in jobs:
@@ -38,58 +35,69 @@ class SnapshotWriter:
                 else:
                     out[name] = (tensor, True)  # staged on the worker
             staged.append((path, out, metadata, dtype))
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused_ema_snap")
-        self._staged.clear()
+        host: list = []
+        stage = Job(lambda: _stage(staged, wait_for, host))
+        write = Job(lambda: _write(stage, events, host))
         try:
-            future = self._worker.submit(without_grad, self._write, staged, events, wait_for)
+            self._staging = stage
+            self._written.append(write)
+            SNAPSHOTS.put(stage)
+            SNAPSHOTS.put(write)
         except BaseException:
-            self._staged.set()
+            # Interrupted: what the worker has not begun is taken back (a dropped staging makes
+            # its write a no-op), so no staging is left that nobody will run.
+            for job in (stage, write):
+                if job.claim():
+                    job.drop("the call that took this snapshot was interrupted")
             raise
-        self._written.append(future)
-
-    def _write(self, staged: list, events: list, wait_for: Future | None) -> None:
-        try:
-            if wait_for is not None and wait_for.exception() is not None:
-                return  # that update failed and wrote nothing: its error reaches the caller
-            host = []
-            for path, tensors, metadata, dtype in staged:
-                copies = {
-                    n: _host_copy(t, dtype) if copy else t for n, (t, copy) in tensors.items()
-                }
-                host.append((path, copies, metadata))
-        finally:
-            self._staged.set()
-        for event in events:
-            event.synchronize()
-        for path, tensors, metadata in host:
-            write_snapshot(path, tensors, metadata)
 
     def wait_staged(self) -> None:
         """Before the EMA changes: the last snapshot's tensors have been copied out of it."""
-        self._staged.wait()
+        if self._staging is not None:
+            self._staging.wait()
 
     def flush(self) -> None:
         """Waits until every snapshot submitted is on disk; raises the first failure."""
-        for future in self._written:
-            future.exception()
+        for job in self._written:
+            job.wait()
         self.raise_failure()
 
     def raise_failure(self) -> None:
         """Raises the error of a snapshot that could not be written (once), dropping those done."""
-        done = [f for f in self._written if f.done()]
-        self._written = [f for f in self._written if not f.done()]
-        for future in done:
-            error = future.exception()
+        done = [j for j in self._written if j.done()]
+        self._written = [j for j in self._written if not j.done()]
+        for job in done:
+            error = job.error
             if error is not None:
                 raise RuntimeError(
                     f"fused_ema: a PostHocEma snapshot was not written: {error}"
                 ) from error
 
     def close(self) -> None:
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.shutdown(wait=True)
+        """Every snapshot submitted is on disk (the worker thread is shared)."""
+        for job in self._written:
+            job.wait()
+
+
+def _stage(staged: list, wait_for: Job | None, host: list) -> None:
+    """On the worker: the snapshot's tensors copied out of the EMA into `host`, unless the update
+    they come from failed (it wrote nothing; its error reaches the caller)."""
+    if wait_for is not None and wait_for.wait() is not None:
+        return
+    for path, tensors, metadata, dtype in staged:
+        copies = {n: _host_copy(t, dtype) if copy else t for n, (t, copy) in tensors.items()}
+        host.append((path, copies, metadata))
+
+
+def _write(stage: Job, events: list, host: list) -> None:
+    if stage.wait() is not None:  # (run before it, unless a second thread took it)
+        if isinstance(stage.error, Dropped):
+            return  # the call that took the snapshot was interrupted: nothing to write
+        raise stage.error
+    for event in events:
+        event.synchronize()
+    for path, tensors, metadata in host:
+        write_snapshot(path, tensors, metadata)
 
 
 def _pinned_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
