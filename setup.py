@@ -54,6 +54,9 @@ CPU_SOURCES = [
     "csrc/testing/stochastic_round_testing.cpp",
     "csrc/testing/testing_ops.cpp",
 ]
+HEADERS = sorted(
+    str(p.relative_to(Path(__file__).parent)) for p in (Path(__file__).parent / "csrc").rglob("*.h")
+)
 CUDA_SOURCES = ["csrc/cuda/bema_cuda.cu", "csrc/cuda/lerp_cuda.cu", "csrc/cuda/schedule_cuda.cu"]
 CXX_FLAGS = ["-O3"]  # torch's BuildExtension adds the -std its headers need
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -126,6 +129,9 @@ def isa_libraries() -> list:
             f"fused_ema_span_{isa}",
             {
                 "sources": [f"csrc/cpu/lerp_span_{isa}.cpp"],
+                # build_clib recompiles only what is older than these: every header of csrc/,
+                # or an edited kernel header would leave a stale ISA library beside a new _C.
+                "obj_deps": {"": HEADERS},
                 "include_dirs": include_paths(),
                 "cflags": [*CXX_FLAGS, LIBRARY_STD, "-fPIC", abi, *flags, *QUIET_TORCH_HEADERS],
             },
