@@ -4,17 +4,15 @@ tensors, step and schedule, and the model, bit-identical to before, and the EMA 
 
 import copy
 import gc
-import itertools
 import math
-import os
 import pickle
 import signal
-import sys
 import threading
 import weakref
 
 import pytest
 import torch
+from interrupts import InterruptAt, InterruptAtLine, ignore_dropped, interrupted_everywhere
 from torch import nn
 
 import fused_ema
@@ -473,81 +471,6 @@ def test_without_grad_in_a_thread_changes_only_that_threads_mode():
             "ways out, grad off": [],
             "left": False,
         }
-
-
-class InterruptAt:
-    """A profile function (sys.setprofile) that raises KeyboardInterrupt at the n-th point of the
-    profiled call where CPython can run a signal handler: a Python function starting ("call",
-    its RESUME) or a call into C returning ("c_return", the check after a CALL). Profiling stops
-    once it has raised, so each run is interrupted once, as by one signal."""
-
-    install = staticmethod(sys.setprofile)
-
-    def __init__(self, n: int):
-        self.n, self.seen, self.grad_when_fired = n, 0, None
-
-    def __call__(self, frame, event, arg):
-        if event in ("call", "c_return"):
-            self.seen += 1
-            if self.seen == self.n:
-                self.grad_when_fired = torch.is_grad_enabled()
-                raise KeyboardInterrupt
-
-
-FUSED_EMA_SOURCES = os.path.dirname(fused_ema.__file__) + os.sep
-
-
-class InterruptAtLine:
-    """A trace function (sys.settrace) that raises KeyboardInterrupt at the n-th line of
-    fused_ema's own Python code that the traced call runs, wherever that is: also where no
-    signal handler can run (inside a finally block, before its first call), so it finds any
-    window in which Python code has switched a mode and not yet switched it back. Tracing stops
-    once it has raised (CPython drops a trace function that raises)."""
-
-    install = staticmethod(sys.settrace)
-
-    def __init__(self, n: int):
-        self.n, self.seen, self.grad_when_fired = n, 0, None
-
-    def __call__(self, frame, event, arg):
-        if event == "call":
-            return self if frame.f_code.co_filename.startswith(FUSED_EMA_SOURCES) else None
-        if event == "line":
-            self.seen += 1
-            if self.seen == self.n:
-                self.grad_when_fired = torch.is_grad_enabled()
-                raise KeyboardInterrupt
-        return self
-
-
-def interrupted_everywhere(
-    call, after_each=lambda interrupted: None, limit=100_000, point=InterruptAt
-):
-    """Runs `call()` interrupted at its 1st, 2nd, 3rd... `point` (InterruptAt or
-    InterruptAtLine), then once more past its last one (it completes), calling
-    `after_each(interrupted)` after every run. Returns the hooks that fired."""
-    fired = []
-    for n in itertools.count(1):
-        assert n < limit, "the call never completed"
-        hook = point(n)
-        point.install(hook)
-        try:
-            call()
-            interrupted = False
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            point.install(None)
-        after_each(interrupted)
-        if hook.seen < n:  # it ran to its end without reaching the n-th point
-            assert not interrupted
-            return fired
-        fired.append(hook)
-
-
-# CPython prints and drops an interrupt that lands in a weakref callback or __del__ run inside
-# the call (as it does a real signal's); pytest would warn about each.
-ignore_dropped = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 def _swapped(ema, model):

@@ -1,0 +1,78 @@
+"""All or nothing across tracks: a PostHocEma or Bema update (several ModelEmas updated by one
+fused pass) interrupted at any point leaves every track bitwise as before, or every track as one
+uninterrupted update leaves it, blocking or non_blocking, and the object keeps working."""
+
+import copy
+
+import pytest
+import torch
+from interrupts import InterruptAt, InterruptAtLine, ignore_dropped, interrupted_everywhere
+from torch import nn
+
+from fused_ema import Bema
+from fused_ema.posthoc import PostHocEma
+
+
+def model_and_tracked(kind):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 3)).double()
+    if kind == "bema":
+        tracked = Bema(model, update_freq=1, lag=2)
+    else:
+        tracked = PostHocEma(model, (0.05, 0.1, 0.2))
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        tracked.update(model)
+    return model, tracked
+
+
+def tracks_of(tracked) -> list:
+    return [
+        (t.step, {k: v.clone() for k, v in t.state_dict()["weights"].items()})
+        for t in tracked._tracks
+    ]
+
+
+def assert_same_tracks(a, b):
+    for (step_a, weights_a), (step_b, weights_b) in zip(tracks_of(a), tracks_of(b), strict=True):
+        assert step_a == step_b
+        assert weights_a.keys() == weights_b.keys()
+        for name, value in weights_a.items():
+            assert torch.equal(value, weights_b[name]), name
+
+
+@ignore_dropped
+@pytest.mark.parametrize("point", [InterruptAt, InterruptAtLine], ids=["call", "line"])
+@pytest.mark.parametrize("non_blocking", [False, True], ids=["blocking", "non_blocking"])
+@pytest.mark.parametrize("kind", ["posthoc", "bema"])
+def test_an_interrupt_anywhere_in_a_joined_update_is_all_or_nothing_across_tracks(
+    kind, non_blocking, point
+):
+    model, tracked = model_and_tracked(kind)
+    twin = copy.deepcopy(tracked)  # updated, uninterrupted, whenever tracked's update went through
+    g = torch.Generator().manual_seed(12)
+    outcomes = set()
+
+    def perturb():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def compare(interrupted):
+        tracked.synchronize()
+        steps = {t.step for t in tracked._tracks}
+        assert len(steps) == 1, f"the tracks went apart: {steps}"
+        moved = tracked._tracks[0].step != twin._tracks[0].step
+        outcomes.add((interrupted, moved))
+        if moved:
+            twin.update(model)
+        assert_same_tracks(tracked, twin)
+        perturb()
+
+    perturb()
+    update = lambda: tracked.update(model, non_blocking=non_blocking)  # noqa: E731
+    fired = interrupted_everywhere(update, compare, point=point)
+    assert len(fired) > 50, len(fired)
+    assert (True, False) in outcomes and (False, True) in outcomes
