@@ -86,3 +86,25 @@ def interrupted_everywhere(
 # CPython prints and drops an interrupt that lands in a weakref callback or __del__ run inside
 # the call (as it does a real signal's); pytest would warn about each.
 ignore_dropped = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def interrupted_updates(update, model, went_through, seed: int, point=InterruptAt) -> list:
+    """interrupted_everywhere() over `update()`, the model's weights moved by fresh random steps
+    before each run; after each, `went_through(interrupted)` checks the state and says whether
+    the update happened. Both an interrupted no-op and a completed update must be seen."""
+    g = torch.Generator().manual_seed(seed)
+    outcomes = set()
+
+    def perturb():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def after_each(interrupted):
+        outcomes.add((interrupted, went_through(interrupted)))
+        perturb()
+
+    perturb()
+    fired = interrupted_everywhere(update, after_each, point=point)
+    assert (True, False) in outcomes and (False, True) in outcomes, outcomes
+    return fired

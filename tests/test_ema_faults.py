@@ -12,7 +12,13 @@ import weakref
 
 import pytest
 import torch
-from interrupts import InterruptAt, InterruptAtLine, ignore_dropped, interrupted_everywhere
+from interrupts import (
+    InterruptAt,
+    InterruptAtLine,
+    ignore_dropped,
+    interrupted_everywhere,
+    interrupted_updates,
+)
 from torch import nn
 
 import fused_ema
@@ -657,26 +663,17 @@ def test_an_interrupt_anywhere_in_an_update_is_all_or_nothing(non_blocking, poin
     queued or begun), which the interrupted call finishes or takes back before it returns."""
     model, ema = moved_ema(dtype=torch.float64)
     twin = copy.deepcopy(ema)  # updated, uninterrupted, whenever ema's update went through
-    g = torch.Generator().manual_seed(11)
-    outcomes = set()
 
-    def perturb():
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g))
-
-    def compare(interrupted):
+    def went_through(interrupted):
         ema.synchronize()
-        outcomes.add((interrupted, ema.step != twin.step))
-        if ema.step != twin.step:
+        moved = ema.step != twin.step
+        if moved:
             twin.update(model)
         assert_same_state(ema, state_of(twin))
-        perturb()
+        return moved
 
-    perturb()
     update = lambda: ema.update(model, non_blocking=non_blocking)  # noqa: E731
-    interrupted_everywhere(update, compare, point=point)
-    assert (True, False) in outcomes and (False, True) in outcomes
+    interrupted_updates(update, model, went_through, seed=11, point=point)
 
 
 def test_del_ema_frees_it_at_once_without_a_gc_pass():
