@@ -9,31 +9,12 @@ import pytest
 import torch
 from bema_reference import PaperBema
 from torch import nn
+from track_helpers import net, train
 
 import fused_ema
 from conftest import DEVICES
 from fused_ema import Bema
 from fused_ema.errors import CheckpointError
-
-
-def net(dtype=torch.float32, device="cpu"):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-    return model.to(device=device, dtype=dtype)
-
-
-def train(model, steps, on_step, seed=1, device="cpu", first=1):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    for t in range(first, first + steps):
-        x = torch.randn(32, 12, generator=g).to(device=device, dtype=dtype)
-        y = torch.randn(32, 3, generator=g).to(device=device, dtype=dtype)
-        loss = (model(x) - y).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        on_step(t)
 
 
 def max_rel_error(ema: fused_ema.ModelEma, ref: dict) -> float:
@@ -306,27 +287,3 @@ def test_a_compiled_training_step_updates_bema_as_eager_does():
         assert a.step == b.step == 5
         for name, value in b.state_dict()["weights"].items():
             assert torch.equal(value, a.state_dict()["weights"][name]), name
-
-
-def test_an_interrupt_before_the_fused_write_leaves_every_track_as_it_was(monkeypatch):
-    import fused_ema._update.plan as plan
-
-    model = net()
-    bema = Bema(model, update_freq=1)
-    train(model, 2, lambda t: bema.update(model))
-    before = [copy.deepcopy(t.state_dict()) for t in bema._tracks]
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(plan, "bema_", interrupted)
-    train(model, 1, lambda t: None)
-    with pytest.raises(KeyboardInterrupt):
-        bema.update(model)
-    monkeypatch.undo()
-    for b, track in zip(before, bema._tracks):
-        assert track.step == 2
-        for name, value in b["weights"].items():
-            assert torch.equal(value, track.state_dict()["weights"][name]), name
-    bema.update(model)
-    assert [t.step for t in bema._tracks] == [3, 3, 3]

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from track_helpers import net, train
 
 import fused_ema
 from conftest import DEVICES
@@ -28,26 +29,6 @@ def gamma_of(sigma_rel: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sigma(mid) > sigma_rel else (lo, mid)
     return (lo + hi) / 2
-
-
-def net(dtype=torch.float32, device="cpu"):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-    return model.to(device=device, dtype=dtype)
-
-
-def train(model, steps, on_step, seed=1, device="cpu"):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    for t in range(1, steps + 1):
-        x = torch.randn(32, 12, generator=g).to(device=device, dtype=dtype)
-        y = torch.randn(32, 3, generator=g).to(device=device, dtype=dtype)
-        loss = (model(x) - y).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        on_step(t)
 
 
 class PowerEma:
@@ -388,27 +369,3 @@ def test_every_track_follows_a_structure_change_or_refuses_it_whole():
     for ema in following.emas:
         assert ema.step == 3
         assert torch.equal(ema.state_dict()["weights"]["4.weight"], model[4].weight)
-
-
-def test_an_interrupt_before_the_fused_write_leaves_every_track_as_it_was(monkeypatch):
-    import fused_ema._update.plan as plan
-
-    model = net()
-    ph = PostHocEma(model, (0.05, 0.1, 0.2))
-    train(model, 2, lambda t: ph.update(model))
-    before = [copy.deepcopy(e.state_dict()) for e in ph.emas]
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(plan, "lerp_many_", interrupted)
-    train(model, 1, lambda t: None)
-    with pytest.raises(KeyboardInterrupt):
-        ph.update(model)
-    monkeypatch.undo()
-    for b, e in zip(before, ph.emas):
-        assert e.step == 2
-        for name, value in b["weights"].items():
-            assert torch.equal(value, e.state_dict()["weights"][name]), name
-    ph.update(model)  # and it goes on from there, every track at step 3
-    assert [e.step for e in ph.emas] == [3, 3, 3]

@@ -66,3 +66,27 @@ def test_an_interrupt_anywhere_in_a_joined_update_is_all_or_nothing_across_track
     update = lambda: tracked.update(model, non_blocking=non_blocking)  # noqa: E731
     fired = interrupted_updates(update, model, went_through, seed=12, point=point)
     assert len(fired) > 50, len(fired)
+
+
+@pytest.mark.parametrize("kind, fused", [("posthoc", "lerp_many_"), ("bema", "bema_")])
+def test_an_interrupt_before_the_fused_write_leaves_every_track_as_it_was(kind, fused, monkeypatch):
+    import fused_ema._update.plan as plan
+
+    model, tracked = model_and_tracked(kind)
+    before = tracks_of(tracked)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan, fused, interrupted)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        tracked.update(model)
+    monkeypatch.undo()
+    for (step, weights), (step_before, weights_before) in zip(tracks_of(tracked), before):
+        assert step == step_before == 3
+        for name, value in weights_before.items():
+            assert torch.equal(value, weights[name]), name
+    tracked.update(model)  # and it goes on from there, every track one step on
+    assert [t.step for t in tracked._tracks] == [4] * len(tracked._tracks)
