@@ -79,9 +79,3 @@ class AsyncRunner:
             self._pending = None
             if error is not None:
                 raise error
-
-    def close(self) -> None:
-        """Nothing left running for this runner (the worker thread is shared)."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None

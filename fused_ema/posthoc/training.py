@@ -212,7 +212,6 @@ class PostHocEma(TrackSet):
     def close(self) -> None:
         """Waits until every snapshot taken is written; raises the first failure."""
         self._snapshots.writer.flush()
-        self._snapshots.writer.close()
 
     # ------------------------------------------------------------------ checkpoints
 

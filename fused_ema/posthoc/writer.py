@@ -73,11 +73,6 @@ class SnapshotWriter:
                     f"fused_ema: a PostHocEma snapshot was not written: {error}"
                 ) from error
 
-    def close(self) -> None:
-        """Every snapshot submitted is on disk (the worker thread is shared)."""
-        for job in self._written:
-            job.wait()
-
 
 def _stage(staged: list, wait_for: Job | None, host: list) -> None:
     """On the worker: the snapshot's tensors copied out of the EMA into `host`, unless the update
