@@ -71,14 +71,14 @@ phase_tests() {
 phase_sanitize() {
   local status=0 tool
   # A small workload (every dtype pair, both layouts, ragged misaligned lists, device weights,
-  # stochastic rounding, the schedule op), each result checked against the CPU kernel.
+  # stochastic rounding, lerp_many_, bema_, the schedule op), each checked against the CPU kernel.
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
       "$py" .ci/gpu_workload.py --small || status=1
   done
   # Theoretical and achieved occupancy of the lerp kernels, on tensors that fill the GPU.
   if command -v ncu >/dev/null; then
-    ncu --clock-control none --kernel-name regex:multi_tensor_kernel --launch-count 10 \
+    ncu --clock-control none --kernel-name regex:"multi_t(ensor|rack)_kernel" --launch-count 16 \
       --section Occupancy --section SpeedOfLight --section LaunchStats --csv --page details \
       "$py" .ci/gpu_workload.py --large >"$out/ncu.csv" || status=1
     "$py" .ci/ncu_summary.py "$out/ncu.csv" || status=1

@@ -1,7 +1,8 @@
-"""A short CUDA workload for compute-sanitizer and ncu (.ci/gpu-checks.sh): lerp_ over every dtype
-pair in both launch layouts on ragged, misaligned lists (a host weight and a device one),
-lerp_stochastic_ and the schedule op, each result compared bit for bit with the CPU kernel.
---small: a few MB (fast under the sanitizer); --large: 64M-element tensors (occupancy)."""
+"""A short CUDA workload for compute-sanitizer and ncu (.ci/gpu-checks.sh): lerp_, lerp_many_ (3
+tracks) and bema_ over every dtype pair in both launch layouts on ragged, misaligned lists (a host
+weight and a device one), lerp_stochastic_ and the schedule op, each result compared bit for bit
+with the CPU kernel. --small: a few MB (fast under the sanitizer); --large: 64M-element tensors
+(occupancy)."""
 
 import argparse
 import sys
@@ -62,6 +63,36 @@ def check_pair(pair, sizes, seed, failures):
             cuda_small_params(previous)
 
 
+def check_many_and_bema(pair, sizes, seed, failures, device="cuda"):
+    """lerp_many_ over 3 tracks (each misaligned its own way) and bema_, against the CPU."""
+    src_cpu = ragged(pair[1], sizes, seed)
+    lists = [ragged(pair[0], sizes, seed + 1 + k) for k in range(3)]
+    for small in (False, True):
+        previous = cuda_small_params(small)
+        try:
+            for weights in ((0.3, 0.0, 0.75), (1.0, 1.0, 0.6)):
+                want = [[t.clone() for t in lst] for lst in lists]
+                got = [[t.to(device) for t in lst] for lst in lists]
+                src = [t.to(device) for t in src_cpu]
+                fused_ema.lerp_many_(want, src_cpu, list(weights))
+                fused_ema.lerp_many_(got, src, torch.tensor(weights, dtype=torch.float64, device=device))
+                compare(f"lerp_many_ {pair} small={small} w={weights}", want, got, failures)
+                want = [[t.clone() for t in lst] for lst in lists]
+                got = [[t.to(device) for t in lst] for lst in lists]
+                fused_ema.bema_(*want, src_cpu, weights)
+                fused_ema.bema_(*got, src, torch.tensor(weights, dtype=torch.float64, device=device))
+                compare(f"bema_ {pair} small={small} w={weights}", want, got, failures)
+        finally:
+            cuda_small_params(previous)
+
+
+def compare(what, want, got, failures):
+    for k, (a_list, b_list) in enumerate(zip(want, got)):
+        for i, (a, b) in enumerate(zip(a_list, b_list)):
+            if not same_bits(a, b.cpu()):
+                failures.append(f"{what} list {k} tensor {i}")
+
+
 def check_schedule(failures):
     config = torch.tensor(
         [0.999, 0.0, 1.0, 0.75, 3.0, 2.0, 1.0, 0.0] + [0.0] * 4, dtype=torch.float64
@@ -95,12 +126,16 @@ def main():
             fused_ema.lerp_([ema], [src], 0.1)
             if pair[0] in (torch.bfloat16, torch.float16):
                 fused_ema.lerp_stochastic_([ema], [src], 0.1, seed=1, step=1)
+            others = [torch.randn(1 << 26, device="cuda").to(pair[0]) for _ in range(2)]
+            fused_ema.lerp_many_([[ema], [others[0]], [others[1]]], [src], [0.1, 0.2, 0.3])
+            fused_ema.bema_([ema], [others[0]], [others[1]], [src], (0.1, 0.0, 0.5))
         torch.cuda.synchronize()
         print("large workload done")
         return 0
     sizes = PACK_EDGES + [0, 3, 17] * 40  # 131 tensors: over one 4 KB launch
     for k, pair in enumerate(fused_ema.SUPPORTED_DTYPE_PAIRS):
         check_pair(pair, sizes, seed=10 * k, failures=failures)
+        check_many_and_bema(pair, sizes, seed=10 * k + 5, failures=failures)
     check_schedule(failures)
     torch.cuda.synchronize()
     for line in failures[:40]:
