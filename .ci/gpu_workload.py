@@ -74,13 +74,14 @@ def check_many_and_bema(pair, sizes, seed, failures, device="cuda"):
                 want = [[t.clone() for t in lst] for lst in lists]
                 got = [[t.to(device) for t in lst] for lst in lists]
                 src = [t.to(device) for t in src_cpu]
+                on_device = torch.tensor(weights, dtype=torch.float64, device=device)
                 fused_ema.lerp_many_(want, src_cpu, list(weights))
-                fused_ema.lerp_many_(got, src, torch.tensor(weights, dtype=torch.float64, device=device))
+                fused_ema.lerp_many_(got, src, on_device)
                 compare(f"lerp_many_ {pair} small={small} w={weights}", want, got, failures)
                 want = [[t.clone() for t in lst] for lst in lists]
                 got = [[t.to(device) for t in lst] for lst in lists]
                 fused_ema.bema_(*want, src_cpu, weights)
-                fused_ema.bema_(*got, src, torch.tensor(weights, dtype=torch.float64, device=device))
+                fused_ema.bema_(*got, src, on_device)
                 compare(f"bema_ {pair} small={small} w={weights}", want, got, failures)
         finally:
             cuda_small_params(previous)
