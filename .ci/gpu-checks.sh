@@ -93,6 +93,10 @@ phase_bench() {
   "$py" -m benchmarks.bench --devices cuda --full --out "$out" || status=1
   "$py" -m benchmarks.scaling --device cuda --out "$out" || status=1
   "$py" -m benchmarks.training_loop --device cuda --out "$out" || status=1
+  # lerp_many_ / PostHocEma and bema_ / Bema on the GPU (ema-pytorch and TRL are not on the lent
+  # machine: their columns say n/a; the foreach baseline and K lerp_ calls are timed).
+  "$py" -m benchmarks.posthoc --device cuda --out "$out" || status=1
+  "$py" -m benchmarks.bema --device cuda --out "$out" || status=1
   return $status
 }
 

@@ -11,8 +11,11 @@ corrected weights theta' are compared with TRL's (or, without TRL, with the fore
 over a few steps; one that differs by more than 1e-5 (relative to the weights' size) is reported
 and not timed.
 
-    python -m benchmarks.bema [--scale gpt2|small] [--rounds 9] [--reps 3] [--warmup 8]
-                              [--threads N] [--out benchmarks/out]
+    python -m benchmarks.bema [--device cpu|cuda] [--scale gpt2|small] [--rounds 9] [--reps 3]
+                              [--warmup 8] [--threads N] [--out benchmarks/out]
+
+With --device cuda the model, TRL's running model (its `device` argument), Bema's tensors and
+the foreach version's all live on the GPU.
 """
 
 from __future__ import annotations
@@ -94,12 +97,12 @@ class Contender:
 
 
 class TrlContender(Contender):
-    def __init__(self, model: nn.Module, folder: Path):
+    def __init__(self, model: nn.Module, folder: Path, device: str):
         super().__init__(model)
         from transformers import TrainerControl, TrainerState, TrainingArguments
 
         cls = load_trl_bema_callback()
-        self.callback = cls(**OPTIONS, device="cpu")
+        self.callback = cls(**OPTIONS, device=device)
         self.args = TrainingArguments(output_dir=str(folder / "trl"), report_to=[])
         self.state, self.control = TrainerState(), TrainerControl()
         self.callback.on_train_begin(self.args, self.state, self.control, model=model)
@@ -117,9 +120,9 @@ class TrlContender(Contender):
 
 
 class FusedContender(Contender):
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, device: str):
         super().__init__(model)
-        self.bema = fused_ema.Bema(model, **OPTIONS, device="cpu")
+        self.bema = fused_ema.Bema(model, **OPTIONS, device=device)
 
     def start(self) -> None:
         self.bema.update(self.model, step=self.step)
@@ -166,7 +169,7 @@ class Perturber:
     def __init__(self, model: nn.Module, size: float = 1e-3):
         g = torch.Generator().manual_seed(1)
         self.params = [p.detach() for p in model.parameters() if p.requires_grad]
-        self.delta = [size * torch.randn(p.shape, generator=g) for p in self.params]
+        self.delta = [(size * torch.randn(p.shape, generator=g)).to(p.device) for p in self.params]
         self.sign = 1.0
 
     @torch.no_grad()
@@ -187,17 +190,17 @@ def max_relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> flo
     return worst
 
 
-def build_contenders(model: nn.Module, folder: Path, foreach: bool) -> tuple[dict, dict]:
+def build_contenders(model: nn.Module, folder: Path, foreach: bool, device: str):
     made, unavailable = {}, {}
     try:
-        made[TRL] = TrlContender(model, folder)
+        made[TRL] = TrlContender(model, folder, device)
     except PeerUnavailable as err:
         unavailable[TRL] = f"n/a: {err}"
     why = bema_missing()
     if why:
         unavailable[FUSED] = f"n/a: {why}"
     else:
-        made[FUSED] = FusedContender(model)
+        made[FUSED] = FusedContender(model, device)
     if foreach:
         made[FOREACH] = ForeachContender(model)
     return made, unavailable
@@ -222,11 +225,13 @@ def check(made: dict, perturb: Callable[[], None]) -> dict[str, float]:
     return errors
 
 
-def measure(scale: str, rounds: int, reps: int, warmup: int, foreach: bool, folder: Path) -> dict:
-    model = build_model(scale)
+def measure(
+    scale: str, rounds: int, reps: int, warmup: int, foreach: bool, folder: Path, device: str
+) -> dict:
+    model = build_model(scale).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     perturb = Perturber(model)
-    made, unavailable = build_contenders(model, folder, foreach)
+    made, unavailable = build_contenders(model, folder, foreach, device)
     errors = check(made, perturb)
     record = {
         "model": f"GPT-2 ({scale})",
@@ -265,7 +270,7 @@ def measure(scale: str, rounds: int, reps: int, warmup: int, foreach: bool, fold
             timed,
             rounds,
             reps,
-            synchronizer("cpu"),
+            synchronizer(device),
             bar.update,
             budget_s=2.0,
             prepare={name: perturb for name in timed},
@@ -286,13 +291,15 @@ def measure(scale: str, rounds: int, reps: int, warmup: int, foreach: bool, fold
 
 def markdown(record: dict) -> str:
     m, r = record["machine"], record["result"]
+    where = m.get("gpu") or f"{m['cpu']} ({m['threads']} threads)"
     lines = [
         f"# BEMA update, {r['model']} ({r['parameters'] / 1e6:.1f}M {r['dtype']} parameters in "
-        f"{r['tensors']} tensors), {m['cpu']} ({m['threads']} threads), torch {m['torch']}, "
+        f"{r['tensors']} tensors), {where}, torch {m['torch']}, "
         f"Python {m['python']}, {m['date']}",
         "",
-        "One BEMA update (update_freq=1, TRL's other defaults; the EMA, theta_0 and theta' on the "
-        f"CPU), ms per update over {record['rounds']} interleaved rounds after "
+        "One BEMA update (update_freq=1, TRL's other defaults; the model, the EMA, theta_0 and "
+        f"theta' on the {record['device'].upper()}), ms per update over {record['rounds']} "
+        "interleaved rounds after "
         f"{r['warmup_updates']} untimed updates each, the weights moved between updates outside "
         "the timed region. Versions: "
         + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
@@ -343,6 +350,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every contender's tensors)")
     parser.add_argument("--scale", choices=("gpt2", "small"), default="gpt2")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--reps", type=int, default=3, help="calls per contender per round")
@@ -354,14 +362,21 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     record = {
-        "machine": report.machine(["cpu"]),
+        "machine": report.machine([args.device]),
+        "device": args.device,
         "versions": versions(),
         "rounds": args.rounds,
         "reps": args.reps,
     }
     with tempfile.TemporaryDirectory() as tmp:
         record["result"] = measure(
-            args.scale, args.rounds, args.reps, args.warmup, not args.no_foreach, Path(tmp)
+            args.scale,
+            args.rounds,
+            args.reps,
+            args.warmup,
+            not args.no_foreach,
+            Path(tmp),
+            args.device,
         )
     text = markdown(record)
     print(text)

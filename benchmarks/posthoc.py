@@ -1,10 +1,12 @@
-"""Post-hoc EMA on the CPU: K = 1, 2, 4, 8 EMAs of one model updated by fused_ema.lerp_many_
-(one read of the model), by K fused_ema.lerp_ calls, by fused_ema.PostHocEma.update and by
-ema-pytorch's PostHocEMA (K KarrasEMA, a Python loop over tensors each), interleaved, medians;
-then the cost of PostHocEma's snapshots on a training step (snapshot_every=100, written by its
-background thread), training blocks with and without them interleaved.
+"""Post-hoc EMA on the CPU or a GPU: K = 1, 2, 4, 8 EMAs of one model updated by
+fused_ema.lerp_many_ (one read of the model), by K fused_ema.lerp_ calls, by
+fused_ema.PostHocEma.update and by ema-pytorch's PostHocEMA (K KarrasEMA, a Python loop over
+tensors each), interleaved, medians; then the cost of PostHocEma's snapshots on a training step
+(snapshot_every=100, written by its background thread), training blocks with and without them
+interleaved.
 
-    python -m benchmarks.posthoc [--ks 1,2,4,8] [--rounds 9] [--out benchmarks/out]
+    python -m benchmarks.posthoc [--device cpu|cuda] [--ks 1,2,4,8] [--rounds 9]
+                                 [--out benchmarks/out]
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ def scaled(shape: str, scale: float) -> list[int]:
     return numels[: max(1, int(len(numels) * scale))]
 
 
-def contenders(shape: str, k: int, folder: Path, scale: float) -> tuple[dict, dict]:
-    model = Params(scaled(shape, scale))
+def contenders(shape: str, k: int, folder: Path, scale: float, device: str) -> tuple[dict, dict]:
+    model = Params(scaled(shape, scale)).to(device)
     src = [p.detach() for p in model.p]
     emas = [[s.clone() for s in src] for _ in range(k)]
     weights = [0.01 * (i + 1) for i in range(k)]
-    weight_tensors = [torch.tensor(w, dtype=torch.float64) for w in weights]
+    weight_tensors = [torch.tensor(w, dtype=torch.float64, device=device) for w in weights]
     steps = {
         "lerp_many_": lambda: fused_ema.lerp_many_(emas, src, weights),
         "K x lerp_": lambda: [fused_ema.lerp_(e, src, w) for e, w in zip(emas, weight_tensors)],
@@ -90,13 +92,15 @@ def contenders(shape: str, k: int, folder: Path, scale: float) -> tuple[dict, di
     return steps, unavailable
 
 
-def measure_updates(ks: list[int], rounds: int, folder: Path, bar, scale: float) -> list[dict]:
+def measure_updates(
+    ks: list[int], rounds: int, folder: Path, bar, scale: float, device: str
+) -> list[dict]:
     rows = []
     for shape in SHAPES:
         for k in ks:
-            steps, unavailable = contenders(shape, k, folder, scale)
+            steps, unavailable = contenders(shape, k, folder, scale, device)
             with torch.no_grad():
-                samples = interleaved(steps, rounds, 3, synchronizer("cpu"), bar.update)
+                samples = interleaved(steps, rounds, 3, synchronizer(device), bar.update)
             row = {
                 "shape": shape,
                 "k": k,
@@ -116,13 +120,14 @@ def measure_updates(ks: list[int], rounds: int, folder: Path, bar, scale: float)
     return rows
 
 
-def measure_snapshots(steps: int, blocks: int, folder: Path, bar) -> dict:
+def measure_snapshots(steps: int, blocks: int, folder: Path, bar, device: str) -> dict:
     """Median step time of a training loop with PostHocEma, snapshots every 100 updates or none,
     in interleaved blocks of `steps` steps (each block holds its share of snapshots)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024))
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, 1024)
+    x = torch.randn(64, 1024, device=device)
+    sync = synchronizer(device)
     runs = {
         "no snapshots": PostHocEma(model, (0.05, 0.1)),
         "snapshot_every=100": PostHocEma(
@@ -140,6 +145,7 @@ def measure_snapshots(steps: int, blocks: int, folder: Path, bar) -> dict:
             opt.step()
             ph.update(model)
         ph._tracks[0].synchronize()  # the update, not the snapshot writes: those stay behind
+        sync()
         return (time.perf_counter() - start) / steps
 
     for r in range(blocks):
@@ -158,9 +164,9 @@ def measure_snapshots(steps: int, blocks: int, folder: Path, bar) -> dict:
 
 def markdown(record: dict) -> str:
     m = record["machine"]
+    where = m.get("gpu") or f"{m['cpu']} ({m['threads']} threads)"
     lines = [
-        f"# Post-hoc EMA updates, {m['cpu']} ({m['threads']} threads), torch {m['torch']}, "
-        f"Python {m['python']}, {m['date']}",
+        f"# Post-hoc EMA updates, {where}, torch {m['torch']}, Python {m['python']}, {m['date']}",
         "",
         "Median ms per update of K EMAs (interleaved rounds); ratios are speed-ups. At K = 1 the "
         "ema-pytorch column is its KarrasEMA (PostHocEMA needs 2 EMAs at least).",
@@ -222,7 +228,8 @@ def chart(record: dict, path: Path) -> None:
         ax.set_title(f"{shape}: {rows[0]['elements'] / 1e6:.1f}M elements", fontsize=9)
         ax.legend(fontsize=7)
     m = record["machine"]
-    fig.suptitle(f"K EMAs, {m['cpu']} ({m['threads']} threads), {m['date']}", fontsize=9)
+    where = m.get("gpu") or f"{m['cpu']} ({m['threads']} threads)"
+    fig.suptitle(f"K EMAs, {where}, {m['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -231,6 +238,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the model and its EMAs)")
     parser.add_argument("--ks", default="1,2,4,8", help="numbers of EMAs, comma-separated")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--snapshot-steps", type=int, default=100, help="steps per timed block")
@@ -239,16 +247,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",") if k]
-    record = {"machine": report.machine(["cpu"]), "rounds": args.rounds, "scale": args.scale}
+    record = {"machine": report.machine([args.device]), "rounds": args.rounds, "scale": args.scale}
+    record["device"] = args.device
     record["gammas"] = {k: [sigma_rel_to_gamma(s) for s in sigma_rels(k)] for k in ks}
     total = len(SHAPES) * len(ks) * args.rounds + args.snapshot_blocks
     with (
         tempfile.TemporaryDirectory() as tmp,
         tqdm(total=total, desc="posthoc", leave=False) as bar,
     ):
-        record["updates"] = measure_updates(ks, args.rounds, Path(tmp), bar, args.scale)
+        record["updates"] = measure_updates(
+            ks, args.rounds, Path(tmp), bar, args.scale, args.device
+        )
         record["snapshots"] = measure_snapshots(
-            args.snapshot_steps, args.snapshot_blocks, Path(tmp), bar
+            args.snapshot_steps, args.snapshot_blocks, Path(tmp), bar, args.device
         )
     text = markdown(record)
     print(text)

@@ -292,7 +292,7 @@ def test_bema_benchmark_checks_trl_and_rejects_a_wrong_contender(tmp_path):
 
     cls = trl_bema_callback()
     model = bema.build_model("small")
-    trl = bema.TrlContender(model, tmp_path)
+    trl = bema.TrlContender(model, tmp_path, "cpu")
     assert type(trl.callback) is cls
 
     class WrongAlpha(bema.ForeachContender):
