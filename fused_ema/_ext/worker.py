@@ -20,11 +20,12 @@ class Dropped(RuntimeError):
 
 
 class Job:
-    __slots__ = ("_fn", "_claim", "_done", "error")
+    __slots__ = ("_fn", "_claim", "_done", "_finished", "error")
 
     def __init__(self, fn):
         self._fn = fn
         self.error: BaseException | None = None
+        self._finished = False
         self._claim = threading.Lock()
         self._done = threading.Lock()
         self._done.acquire()  # held until the job has run or been dropped
@@ -40,16 +41,16 @@ class Job:
         except BaseException as error:  # noqa: BLE001 - kept for wait(), raised there
             self.error = error
         finally:
-            self._fn = None
+            self._fn, self._finished = None, True
             self._done.release()
 
     def drop(self, why: str) -> None:
         """Ends a claimed job without running it."""
-        self.error, self._fn = Dropped(why), None
+        self.error, self._fn, self._finished = Dropped(why), None, True
         self._done.release()
 
     def done(self) -> bool:
-        return not self._done.locked()
+        return self._finished  # (not _done.locked(): a waiter holds it for a moment)
 
     def wait(self) -> BaseException | None:
         """Blocks until the job has run or been dropped; returns its error. An interrupt while
