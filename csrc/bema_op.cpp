@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "lerp_op.h"
+#include "weight_vector.h"
 
 namespace fused_ema {
 namespace {
@@ -83,28 +84,13 @@ bool register_bema_runner(c10::DeviceType type, BemaRunner runner) {
 
 // A CPU tensor's weights are read here; a device's are left to its kernel.
 BemaWeights checked_bema_weights(const at::Tensor& weights) {
-  TORCH_CHECK_VALUE(weights.defined(), kOp, "weights is an undefined tensor");
-  TORCH_CHECK_VALUE(weights.dim() == 1 && weights.numel() == kLists, kOp,
-                    "weights must be a 1-D tensor of 3 elements (beta, w0, alpha), got shape ",
-                    weights.sizes());
-  const auto type = weights.scalar_type();
-  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kDouble, kOp,
-                    "weights must be float32 or float64, got ", dtype_name(type));
-  TORCH_CHECK(!(weights.requires_grad() && c10::GradMode::is_enabled()), kOp,
-              "weights requires grad; the EMA update is not differentiable");
-  if (!weights.is_cpu()) {
+  const auto values = weight_vector(weights, kLists, kOp, "3 elements (beta, w0, alpha)");
+  if (!values) {
     BemaWeights checked;
     checked.device_tensor = &weights;
     return checked;
   }
-  double values[kLists];
-  const int64_t stride = weights.stride(0);
-  for (int k = 0; k < kLists; ++k) {
-    const int64_t j = k * stride;
-    values[k] = type == at::kFloat ? static_cast<double>(weights.const_data_ptr<float>()[j])
-                                   : weights.const_data_ptr<double>()[j];
-  }
-  return checked_bema_weights(values);
+  return checked_bema_weights({(*values)[0], (*values)[1], (*values)[2]});
 }
 
 BemaWeights checked_bema_weights(const double (&values)[3]) {

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "lerp_op.h"
+#include "weight_vector.h"
 
 namespace fused_ema {
 namespace {
@@ -101,26 +102,12 @@ bool register_stochastic_tracks_runner(c10::DeviceType type, StochasticTracksRun
 
 // A CPU tensor's weights are read here; a device's are left to its kernel.
 TrackWeights checked_track_weights(const at::Tensor& weights, size_t tracks) {
-  TORCH_CHECK_VALUE(weights.defined(), kOp, "weights is an undefined tensor");
-  TORCH_CHECK_VALUE(weights.dim() == 1 && static_cast<size_t>(weights.numel()) == tracks, kOp,
-                    "weights must be a 1-D tensor of one weight per track (", tracks,
-                    "), got shape ", weights.sizes());
-  const auto type = weights.scalar_type();
-  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kDouble, kOp,
-                    "weights must be float32 or float64, got ", dtype_name(type));
-  TORCH_CHECK(!(weights.requires_grad() && c10::GradMode::is_enabled()), kOp,
-              "weights requires grad; the EMA update is not differentiable");
-  if (!weights.is_cpu()) {
+  auto values =
+      weight_vector(weights, tracks, kOp, c10::str("one weight per track (", tracks, ")"));
+  if (!values) {
     return {{}, &weights};
   }
-  std::vector<double> values(tracks);
-  const int64_t stride = weights.stride(0);
-  for (size_t k = 0; k < tracks; ++k) {
-    const auto j = static_cast<int64_t>(k) * stride;
-    values[k] = type == at::kFloat ? static_cast<double>(weights.const_data_ptr<float>()[j])
-                                   : weights.const_data_ptr<double>()[j];
-  }
-  return checked_track_weights(std::move(values));
+  return checked_track_weights(std::move(*values));
 }
 
 TrackWeights checked_track_weights(std::vector<double> values) {

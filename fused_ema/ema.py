@@ -179,14 +179,7 @@ class ModelEma(nn.Module):
         model, the warmup's value while warming up), computed by the same formula the update runs;
         without a step, the configured decay. With update_every=k, an update step applies
         ``decay ** k`` of this value (and the steps between apply nothing)."""
-        if step is None:
-            return self.decay
-        step = self._schedule.check_step(step)
-        step = torch.as_tensor(step).detach().to("cpu", torch.int64).reshape(())
-        out = torch.zeros(2, dtype=torch.float64)
-        config = self._schedule.config.to("cpu")
-        torch.ops.fused_ema.ema_schedule_(step.clone(), out, config, False)
-        return float(out[1])
+        return self.decay if step is None else self._schedule.decay_at(step)
 
     @property
     def device(self) -> torch.device | None:

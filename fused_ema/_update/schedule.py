@@ -311,6 +311,15 @@ class Schedule:
     def value(self) -> int:
         return int(self.step.item())
 
+    def decay_at(self, step) -> float:
+        """The per-step decay of `step` by the formula the update runs, computed on the host
+        (the counter is left as it is)."""
+        step = self.check_step(step)
+        step = torch.as_tensor(step).detach().to("cpu", torch.int64).reshape(())
+        out = torch.zeros(2, dtype=torch.float64)
+        torch.ops.fused_ema.ema_schedule_(step.clone(), out, self.config.to("cpu"), False)
+        return float(out[1])
+
     def current_decay(self) -> float:
         return float(self.out[1].item())
 
