@@ -34,7 +34,7 @@ import fused_ema
 
 from . import report
 from .peers import PeerUnavailable, load_trl_bema_callback
-from .timing import interleaved, summary, synchronizer
+from .timing import copy_bandwidth, interleaved, summary, synchronizer
 
 # TRL's BEMACallback defaults but update_freq=1: every timed call does an update.
 OPTIONS = dict(
@@ -47,6 +47,10 @@ OPTIONS = dict(
     min_ema_multiplier=0.0,
 )
 TRL, FUSED, FOREACH = "trl BEMACallback", "fused_ema.Bema", "torch._foreach_*"
+FLOOR = "floor: bema_ on flat tensors"
+# A BEMA step that stores theta' moves, per parameter: theta, the EMA and theta_0 read, the EMA
+# and theta' written (float32: 4 bytes each).
+PASS_BYTES = 5
 TARGET = 10.0  # fused_ema.Bema over TRL's update, GPT-2 small on the CPU
 TOLERANCE = 1e-5  # max |theta' - reference| / max |reference|
 CHECK_STEPS = 3
@@ -162,6 +166,31 @@ class ForeachContender(Contender):
         return self.out
 
 
+class FloorContender(Contender):
+    """The memory traffic of a BEMA step alone: bema_ over one flat tensor per list, as many
+    elements as the model has parameters, its own data (not the model's; not checked)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        numel, like = sum(p.numel() for p in params), params[0]
+        g = torch.Generator().manual_seed(2)
+        self.lists = [
+            [torch.randn(numel, generator=g, dtype=like.dtype).to(like.device)] for _ in range(4)
+        ]
+
+    def start(self) -> None:
+        pass
+
+    def _update(self, step: int) -> None:
+        beta, alpha = beta_alpha(step)
+        ema, theta0, out, src = self.lists
+        fused_ema.bema_(ema, theta0, out, src, (beta, 0.0, alpha))
+
+    def corrected(self) -> None:
+        return None
+
+
 class Perturber:
     """Moves the model's weights by a fixed small random step, its sign alternating, so each
     update sees new values and the weights stay near where they started."""
@@ -203,6 +232,7 @@ def build_contenders(model: nn.Module, folder: Path, foreach: bool, device: str)
         made[FUSED] = FusedContender(model, device)
     if foreach:
         made[FOREACH] = ForeachContender(model)
+    made[FLOOR] = FloorContender(model)
     return made, unavailable
 
 
@@ -212,7 +242,7 @@ def check(made: dict, perturb: Callable[[], None]) -> dict[str, float]:
     for contender in made.values():
         contender.start()
     reference = TRL if TRL in made else FOREACH if FOREACH in made else None
-    errors = {name: 0.0 for name in made if name != reference}
+    errors = {name: 0.0 for name in made if name not in (reference, FLOOR)}
     for _ in range(CHECK_STEPS):
         perturb()
         for contender in made.values():
@@ -240,6 +270,7 @@ def measure(
         "parameters": sum(p.numel() for p in params),
         "tensors": len(params),
         "dtype": str(params[0].dtype),
+        "bytes_per_param": PASS_BYTES * params[0].element_size(),
         "options": OPTIONS,
         "warmup_updates": warmup,
         "reference": TRL if TRL in made else FOREACH if FOREACH in made else None,
@@ -286,7 +317,23 @@ def measure(
     if TRL in ok and FUSED in ok:
         record["trl_over_fused"] = ok[TRL]["median_ms"] / ok[FUSED]["median_ms"]
         record["trl_over_fused_min"] = ok[TRL]["min_ms"] / ok[FUSED]["min_ms"]
+    record["floor"] = floor(record, device)
     return record
+
+
+def floor(record: dict, device: str) -> dict:
+    """What the floor row and the machine's copy bandwidth say about the target: the pass's
+    bytes, the rate each contender moved them at, and the time (and rate) the target needs."""
+    pass_bytes = record["bytes_per_param"] * record["parameters"]
+    out = {"pass_bytes": pass_bytes, "copy_gb_s": copy_bandwidth(device)}
+    for c in record["contenders"].values():
+        if c["status"] == "ok":
+            c["gb_s"] = pass_bytes / c["median_ms"] / 1e6
+    trl = record["contenders"].get(TRL, {})
+    if trl.get("status") == "ok":
+        out["target_ms"] = trl["median_ms"] / TARGET
+        out["target_gb_s"] = pass_bytes / out["target_ms"] / 1e6
+    return out
 
 
 def markdown(record: dict) -> str:
@@ -305,17 +352,19 @@ def markdown(record: dict) -> str:
         + ", ".join(f"{k} {v}" for k, v in record["versions"].items())
         + ".",
         "",
-        "| contender | median ms | p25-p75 ms | min ms | samples | speed-up vs TRL |",
-        "|---|---|---|---|---|---|",
+        "| contender | median ms | p25-p75 ms | min ms | samples | speed-up vs TRL "
+        f"| GB/s at {r['bytes_per_param']} B/param |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, c in r["contenders"].items():
         if c["status"] != "ok":
-            lines.append(f"| {name} | {c['status']} | | | | |")
+            lines.append(f"| {name} | {c['status']} | | | | | |")
             continue
         vs = f"{c['vs_trl']:.2f}x" if "vs_trl" in c else "n/a"
+        rate = f"{c['gb_s']:.1f}" if "gb_s" in c else ""
         lines.append(
             f"| {name} | {c['median_ms']:.1f} | {c['p25_ms']:.1f}-{c['p75_ms']:.1f} "
-            f"| {c['min_ms']:.1f} | {c['samples']} | {vs} |"
+            f"| {c['min_ms']:.1f} | {c['samples']} | {vs} | {rate} |"
         )
     lines.append("")
     if "trl_over_fused" in r:
@@ -325,6 +374,18 @@ def markdown(record: dict) -> str:
         )
     else:
         lines.append("TRL / fused_ema.Bema: n/a (one of the two was not timed, see above).")
+    f = r["floor"]
+    need = (
+        f" The target needs {f['target_ms']:.1f} ms, {f['target_gb_s']:.1f} GB/s."
+        if "target_ms" in f
+        else ""
+    )
+    lines.append(
+        f"Floor: a BEMA step that stores theta' moves {f['pass_bytes'] / 1e9:.2f} GB "
+        f"({r['bytes_per_param']} bytes a parameter); the floor row moves them with no "
+        f"per-tensor work; a plain copy here runs at {f['copy_gb_s']:.1f} GB/s (bytes read + "
+        f"written).{need}"
+    )
     errors = ", ".join(f"{n} {e:.2e}" for n, e in r["max_rel_error"].items()) or "none"
     lines.append(
         f"Agreement before timing ({CHECK_STEPS} updates, reference {r['reference']}): max "

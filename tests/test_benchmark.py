@@ -262,7 +262,7 @@ def test_bema_benchmark_runs_at_small_scale(tmp_path):
     result = record["result"]
     assert result["parameters"] > 0 and result["tensors"] > 0
     statuses = {name: c["status"] for name, c in result["contenders"].items()}
-    reasons = {bema.FUSED: bema.bema_missing(), bema.FOREACH: None}
+    reasons = {bema.FUSED: bema.bema_missing(), bema.FOREACH: None, bema.FLOOR: None}
     try:
         peers.load_trl_bema_callback()
         reasons[bema.TRL] = None
@@ -277,6 +277,12 @@ def test_bema_benchmark_runs_at_small_scale(tmp_path):
             assert result["contenders"][name]["median_ms"] > 0
     for name, error in result["max_rel_error"].items():
         assert error <= bema.TOLERANCE, (name, error)
+    assert bema.FLOOR not in result["max_rel_error"]  # its own data: nothing to compare
+    floor = result["floor"]
+    assert floor["pass_bytes"] == 20 * result["parameters"] and floor["copy_gb_s"] > 0
+    for c in result["contenders"].values():
+        if c["status"] == "ok":
+            assert c["gb_s"] == pytest.approx(floor["pass_bytes"] / c["median_ms"] / 1e6)
     assert sorted(p.suffix for p in tmp_path.glob("bema_*")) == [".json", ".md"]
     table = next(tmp_path.glob("bema_*.md")).read_text()
     for name, reason in reasons.items():
