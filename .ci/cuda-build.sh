@@ -27,9 +27,11 @@ if ! "$py" -c "import torch, sys; sys.exit(torch.version.cuda is None)" >/dev/nu
   say "installing $torch_req (a CUDA build of torch with its nvidia-* packages)"
   "$py" -m pip install -q "$torch_req"
 fi
-if ! "$py" -c "import ninja, pytest, hypothesis, numpy, matplotlib, tqdm" >/dev/null 2>&1; then
-  say "installing build and test tools"
-  "$py" -m pip install -q "setuptools>=64" wheel ninja pytest hypothesis numpy matplotlib tqdm
+if ! "$py" -c "import ninja, pytest, hypothesis, numpy, matplotlib, tqdm, safetensors" \
+  >/dev/null 2>&1; then
+  say "installing build and test tools, and safetensors (fused_ema is installed with --no-deps)"
+  "$py" -m pip install -q "setuptools>=64" wheel ninja pytest hypothesis numpy matplotlib tqdm \
+    safetensors
 fi
 if ! "$py" -c "import ema_pytorch, torch_ema" >/dev/null 2>&1; then
   "$py" -m pip install -q --no-deps ema-pytorch torch-ema \

@@ -26,6 +26,7 @@ from ._state.ema_state import EmaState, rounding_seed
 from ._state.options import resolve_options
 from ._state.placement import cuda_device, move, parse_to
 from ._state.stats import ema_stats
+from ._state.timm_attributes import TimmAttributes
 from ._update import compiled
 from ._update.attach import attach
 from ._update.binding import Binding
@@ -39,7 +40,7 @@ __all__ = ["LoadResult", "ModelEma"]
 Device = str | torch.device | None
 
 
-class ModelEma(nn.Module):
+class ModelEma(TimmAttributes, nn.Module):
     """Exponential moving average of a model's parameters and buffers.
 
     The arguments up to ``exclude_buffers`` are timm ModelEmaV3's (1.0.31), in its order; the
@@ -145,11 +146,6 @@ class ModelEma(nn.Module):
         self._hooks = weakref.WeakSet()  # attach(): the optimizer hooks still registered
 
     # ------------------------------------------------------------------ schedule and state
-
-    @property
-    def decay(self) -> float:
-        """The configured per-step decay (the warmup ramps up to it)."""
-        return self._schedule.options["decay"]
 
     @property
     def step(self) -> int:

@@ -130,6 +130,23 @@ def test_complex_parameters_are_refused_at_construction_and_complex_buffers_copi
     assert torch.equal(ema.state_dict()["weights"]["freqs"], model.freqs)
 
 
+def test_lazy_modules_are_refused_until_materialized_by_name():
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"param 0\.weight is uninitialized .*forward pass"):
+        fused_ema.ModelEma(model, decay=0.5)
+    model(torch.randn(3, 5))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)  # the first step copies the model
+    start = {k: v.double() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update(model)
+    for name, value in model.state_dict().items():
+        expected = 0.5 * start[name] + 0.5 * value.double()
+        torch.testing.assert_close(ema.module.state_dict()[name].double(), expected)
+
+
 def test_meta_model_then_to_empty_and_resync():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))

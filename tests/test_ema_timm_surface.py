@@ -186,6 +186,91 @@ def test_get_decay_is_what_the_update_uses():
         assert ema.current_decay == ema.get_decay(step), step
 
 
+TIMM_ATTRIBUTES = (
+    "decay",
+    "min_decay",
+    "update_after_step",
+    "use_warmup",
+    "warmup_gamma",
+    "warmup_power",
+    "exclude_buffers",
+    "dtype",
+    "stochastic_rounding",
+    "stochastic_rounding_seed",
+    "device",
+)
+
+
+@pytest.mark.parametrize(
+    "config",
+    DECAY_CONFIGS
+    + [
+        dict(decay=0.9, exclude_buffers=True, dtype=torch.bfloat16, stochastic_rounding_seed=7),
+        dict(decay=0.9, dtype=torch.float16, stochastic_rounding=False, device="cpu"),
+    ],
+)
+def test_timm_attributes_read_as_on_timm(config):
+    timm = timm_model_ema()
+    model = small_mlp()
+    theirs = timm.ModelEmaV3(model, **config)
+    ours = fused_ema.ModelEma(model, **config)
+    for name in TIMM_ATTRIBUTES:
+        mine, timms = getattr(ours, name), getattr(theirs, name)
+        if name == "device" and timms is not None:
+            mine, timms = torch.device(mine), torch.device(timms)
+        assert mine == timms, name
+    assert ours.foreach is True
+
+
+def test_schedule_attributes_can_be_set_and_refuse_bad_values():
+    model = trained(small_mlp(), 2)
+    ema = fused_ema.ModelEma(model, 0.99, min_decay=0.1, use_warmup=True)
+    ema.min_decay = 0.5
+    ema.update_after_step = 4
+    assert (ema.min_decay, ema.update_after_step) == (0.5, 4)
+    # timm's ramp at s = step - update_after_step - 1: 1 - (1 + s) ** (-2/3), floored at min_decay
+    assert ema.get_decay(5) == 0.0 and ema.get_decay(6) == 0.5
+    assert ema.get_decay(20) == pytest.approx(1 - 16 ** (-2 / 3), rel=1e-12)
+    for name, bad in (("min_decay", 0.995), ("min_decay", -1), ("update_after_step", 1.5)):
+        with pytest.raises(ValueError, match=name):
+            setattr(ema, name, bad)
+    assert (ema.min_decay, ema.update_after_step, ema.decay) == (0.5, 4, 0.99)
+    for name in ("use_warmup", "dtype", "exclude_buffers", "stochastic_rounding"):
+        with pytest.raises(AttributeError):
+            setattr(ema, name, getattr(ema, name))
+
+
+def test_decay_can_be_set_as_on_timm_and_is_checked_first():
+    timm = timm_model_ema()
+    model = trained(small_mlp(), 2)
+    ours = fused_ema.ModelEma(model, 0.9, min_decay=0.1)
+    theirs = timm.ModelEmaV3(model, 0.9, min_decay=0.1)
+    for step in range(1, 4):
+        trained(model, 1, seed=step)
+        ours.update(model, step=step)
+        theirs.update(model, step=step)
+    ours.decay = theirs.decay = 0.6
+    assert ours.decay == 0.6 and ours.get_decay() == 0.6 and ours.schedule["decay"] == 0.6
+    for step in range(4, 7):
+        trained(model, 1, seed=step)
+        ours.update(model, step=step)
+        theirs.update(model, step=step)
+        assert ours.current_decay == 0.6
+    for name, value in theirs.module.state_dict().items():
+        torch.testing.assert_close(ours.module.state_dict()[name], value)
+    assert ours.state_dict()["schedule"]["decay"] == 0.6
+    before = {k: v.clone() for k, v in ours.module.state_dict().items()}
+    for bad in (1.5, float("nan"), "0.9", None, 0.05):  # 0.05: below min_decay
+        with pytest.raises(ValueError, match="decay"):
+            ours.decay = bad
+        assert ours.decay == 0.6
+    ours.update(model, step=7)
+    for name, value in ours.module.state_dict().items():
+        expected = before[name].double() * 0.6 + model.state_dict()[name].double() * 0.4
+        if value.is_floating_point():
+            torch.testing.assert_close(value.double(), expected)
+
+
 def test_set_copies_the_model_and_keeps_the_step():
     timm = timm_model_ema()
     model = trained(TiedNet(), 2)

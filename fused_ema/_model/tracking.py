@@ -88,6 +88,12 @@ class EntryPolicy:
         return not self.copy_filter.matches_any(names)
 
     def new_entry(self, tracked: Tracked, *, meta_ok: bool = True) -> Entry:
+        if nn.parameter.is_lazy(tracked.tensor):
+            raise ValueError(
+                f"fused_ema: {tracked.kind} {tracked.name} is uninitialized (a lazy module such as "
+                "nn.LazyLinear): run one forward pass to materialize it before building the EMA or "
+                "calling ema.resync(model)"
+            )
         t = tracked.tensor.detach()
         if t.is_complex() and tracked.kind == PARAM:
             raise ValueError(
