@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._model.swap import finish_all
 from ._state import nested_state
 from .checkpoint import read_source
 from .ema import ModelEma
@@ -17,6 +18,7 @@ from .errors import CheckpointError
 class TrackSet(nn.Module):
     FORMAT = ""
     FORMAT_VERSION = 1
+    LEGACY_FORMATS: tuple[str, ...] = ()  # older "format" values a checkpoint may carry
     JOINT = "lerp_many"  # how the leader's update combines the tracks (plan.DeviceGroup)
 
     def _start(self, tracks: tuple[ModelEma, ...], names: tuple[str, ...]) -> None:
@@ -47,8 +49,12 @@ class TrackSet(nn.Module):
         """Keys a parent module's state_dict() gets besides the tracks' (without the prefix)."""
         return {}
 
+    def _nested_problems(self, values: dict) -> list[str]:
+        """What is wrong with those keys' values (all present), found before anything is written."""
+        return []
+
     def _restore_nested(self, values: dict) -> None:
-        """Applies those keys' values (all present), after every track loaded."""
+        """Applies those keys' values (all present and checked), after every track loaded."""
 
     # ------------------------------------------------------------------ shared behaviour
 
@@ -98,8 +104,8 @@ class TrackSet(nn.Module):
         """Restores every track and the header from state_dict()'s dict (or a file), all or
         nothing: each track's checkpoint is checked and converted before any is written."""
         kind = type(self).__name__
+        self._ready("load_state_dict")
         state, source = read_source(state, f"{kind} checkpoint")
-        self._tracks[0].synchronize()
         problems = self._format_problems(state)
         if problems:
             raise CheckpointError(problems, source)
@@ -109,13 +115,52 @@ class TrackSet(nn.Module):
                 prepared.append(track._state.prepare(own, strict))
             except CheckpointError as err:
                 raise CheckpointError([f"{name}: {p}" for p in err.problems], source) from None
-        results = [track._state.apply(*p) for track, p in zip(self._tracks, prepared)]
-        self._restore_header(state)
-        return results[0]
+        problems = self._track_problems([p for p, _ in prepared], state.get("step"))
+        if problems:
+            raise CheckpointError(problems, source)
+        self._write(
+            [(track, p) for track, p in zip(self._tracks, prepared)],
+            lambda: self._restore_header(state),
+        )
+        return prepared[0][0].result
+
+    def _track_problems(self, loads, header_step=None) -> list[str]:
+        """What makes prepared track loads (checkpoint.PreparedLoad) unfit for this set: the tracks
+        are one object, so each keeps the schedule this set gives it and all share one step."""
+        kind = type(self).__name__
+        problems = [
+            f"{name}: schedule {load.options} is not the one this {kind} gives it "
+            f"({track._schedule.options})"
+            for name, track, load in zip(self._track_names, self._tracks, loads)
+            if load.options is not None and load.options != track._schedule.options
+        ]
+        steps = [load.step for load in loads]
+        if len(set(steps)) > 1:
+            named = ", ".join(f"{n} {s}" for n, s in zip(self._track_names, steps))
+            problems.append(f"the EMAs are at different steps ({named}): they update together")
+        elif header_step is not None and steps and header_step != steps[0]:
+            problems.append(f"step {header_step!r} beside EMAs at step {steps[0]}")
+        return problems
+
+    def _ready(self, what: str) -> None:
+        for track in self._tracks:
+            track._ready(what)  # no non_blocking update pending, not inside swapped()
+
+    @staticmethod
+    def _write(prepared, restore) -> None:
+        """Every track's writes, then the header's: once begun, an interrupt stops none of them
+        (swap.finish_all)."""
+        steps = [step for track, p in prepared for step in track._state.write_steps(*p)]
+        finish_all([*steps, restore])
+        for track, _ in prepared:
+            track._state.warn_precision()
 
     def _format_problems(self, state) -> list[str]:
         kind = type(self).__name__
-        if not isinstance(state, dict) or state.get("format") != self.FORMAT:
+        if not isinstance(state, dict) or state.get("format") not in (
+            self.FORMAT,
+            *self.LEGACY_FORMATS,
+        ):
             return [f"not a {kind} state dict (expected 'format': {self.FORMAT!r})"]
         problems = []
         if state.get("format_version") != self.FORMAT_VERSION:
@@ -132,7 +177,7 @@ class TrackSet(nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
         """A parent module's load_state_dict(): every track's keys, all or nothing."""
-        self._tracks[0].synchronize()
+        self._ready("load_state_dict")
         ready, found = [], set()
         ok = True
         for name, track in zip(self._track_names, self._tracks):
@@ -165,9 +210,12 @@ class TrackSet(nn.Module):
                 extras[key] = state_dict[prefix + key]
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
         if ok:
-            for track, prepared in zip(self._tracks, ready):
-                track._state.apply(*prepared)
-            self._restore_nested(extras)
+            problems = self._track_problems([load for load, _ in ready])
+            problems += self._nested_problems(extras)
+            errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
+            ok = not problems
+        if ok:
+            self._write(list(zip(self._tracks, ready)), lambda: self._restore_nested(extras))
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)

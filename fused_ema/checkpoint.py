@@ -326,6 +326,25 @@ def _filter_problems(saved, policy) -> list[str]:
     ]
 
 
+def _tie_problem(name: str, tensor, entry, first) -> str | None:
+    """What is wrong with `tensor` under `name`, another name of a tied weight first loaded as
+    `first` (name, tensor)."""
+    problem = tensor_problem(name, tensor, entry.ema)
+    if problem is not None:
+        return problem
+    first_name, first_tensor = first
+    if tensor is first_tensor or tensor_problem(first_name, first_tensor, entry.ema) is not None:
+        return None
+    if is_dtensor(tensor) or is_dtensor(first_tensor):
+        return None  # shards of one tie: each rank compares only its own, so none does
+    same = tensor.dtype == first_tensor.dtype and torch.equal(
+        tensor.detach().to(first_tensor.device), first_tensor.detach()
+    )
+    if same:
+        return None
+    return f"{name}: tied to {first_name} in this EMA, but the two hold different values"
+
+
 def prepare_load(
     table,
     state,
@@ -353,12 +372,18 @@ def prepare_load(
             new_options = options_from_state(parsed.schedule)
         except (TypeError, ValueError) as err:
             fatal.append(f"schedule: {err}")
-    pairs, problems, mismatched, covered = [], [], [], set()
+    pairs, problems, mismatched, covered = [], [], [], {}
     for name, tensor in (weights or {}).items():
         entry = table.by_name.get(name)
-        if entry is None or id(entry) in covered:
-            continue  # a tied weight needs only one of its names
-        covered.add(id(entry))
+        if entry is None:
+            continue
+        if id(entry) in covered:  # a tied weight: its other names must hold the same values
+            problem = _tie_problem(name, tensor, entry, covered[id(entry)])
+            if problem:
+                problems.append(problem)
+                mismatched.append(name)
+            continue
+        covered[id(entry)] = (name, tensor)
         problem = tensor_problem(name, tensor, entry.ema)
         if problem:
             problems.append(problem)

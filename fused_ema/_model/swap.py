@@ -7,6 +7,9 @@ is all-gathered straight into the model's tensors, each rank saving aside only i
 
 from __future__ import annotations
 
+import bisect
+import functools
+
 import torch
 
 from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut
@@ -194,12 +197,68 @@ def copy_all(pairs) -> None:
 
 
 def _copy_each(pairs) -> None:
+    finish_all([functools.partial(copy_into, target, value) for _, value, target in pairs])
+
+
+def finish_all(steps) -> None:
+    """Runs every step in order even when one raises (an interrupt landing part-way): the others
+    still run, then the first error propagates, so a write is never left half done. A step that
+    raised, or that may have finished just before an interrupt, runs once more: steps must be
+    idempotent (copies, loads of checked values)."""
+    error = None
     done = 0
-    try:
-        for _, ema, target in pairs:
-            copy_into(target, ema)
-            done += 1
-    except BaseException:
-        for _, ema, target in pairs[done:]:
-            copy_into(target, ema)
-        raise
+    retried = -1
+    while done < len(steps):
+        try:
+            while done < len(steps):
+                steps[done]()
+                done += 1
+        except BaseException as err:
+            if error is None:
+                error = err
+            if retried == done:
+                done += 1  # it failed twice: the others still run
+            else:
+                retried = done
+    if error is not None:
+        raise error
+
+
+def unaliased(pairs) -> list:
+    """(name, value, target) pairs whose values share memory with a target other than their own
+    (a checkpoint made of the EMA's own tensors under other names) copied first, so every copy
+    reads the value as it was when the load began."""
+    spans: dict[torch.device, list[tuple[int, int]]] = {}
+    for _, _, target in pairs:
+        t = local(target)
+        if t.numel() > 0:
+            spans.setdefault(t.device, []).append(_span(t))
+    for found in spans.values():
+        found.sort()
+    out = []
+    for name, value, target in pairs:
+        v = local(value)
+        found = spans.get(v.device)
+        if found and v.numel() > 0:
+            start, end = _span(v)
+            k = bisect.bisect_left(found, (end, end)) - 1
+            own = local(target)
+            itself = (v.data_ptr(), v.shape, v.stride(), v.dtype) == (
+                own.data_ptr(),
+                own.shape,
+                own.stride(),
+                own.dtype,
+            )
+            if k >= 0 and found[k][1] > start and not itself:
+                value = value.clone()
+        out.append((name, value, target))
+    return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a tensor's elements may occupy: from its lowest to past its highest address."""
+    low = high = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride()):
+        reach = (size - 1) * stride * t.element_size()
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return low, high + t.element_size()

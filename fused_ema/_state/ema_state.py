@@ -12,7 +12,7 @@ import torch
 
 from .._dist.gather import gather_full
 from .._ext.grad import without_grad
-from .._model.swap import copy_all
+from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._update.schedule import options_from_state, rounding_from_state
 from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_source
 from ..errors import CheckpointError, PrecisionWarning
@@ -91,16 +91,27 @@ class EmaState:
 
     def apply(self, prepared, rounding) -> LoadResult:
         """Writes what prepare() made; nothing here can fail on the checkpoint's data."""
-        without_grad(self._write, prepared)
-        if rounding is not None:
-            self.rounding = rounding
-            self.binding.set_seed(rounding_seed(rounding))
+        finish_all(self.write_steps(prepared, rounding))
         self.warn_precision()
         return prepared.result
 
-    def _write(self, prepared) -> None:
-        copy_all([(entry.name, value, entry.ema) for entry, value in prepared.values])
-        self.schedule.load(prepared.options, prepared.step)
+    def write_steps(self, prepared, rounding) -> list:
+        """The writes of a load, for swap.finish_all: the weights, then the step and schedule,
+        then the rounding setting. Once the first has begun, an interrupt cannot stop the others
+        (the weights of one checkpoint with the step of another)."""
+        pairs = unaliased([(entry.name, value, entry.ema) for entry, value in prepared.values])
+        check_resharding(pairs)  # the last check: it raises before anything is written
+        steps = [
+            lambda: without_grad(copy_all, pairs),
+            lambda: self.schedule.load(prepared.options, prepared.step),
+        ]
+        if rounding is not None:
+            steps.append(lambda: self._set_rounding(rounding))
+        return steps
+
+    def _set_rounding(self, rounding: dict) -> None:
+        self.rounding = rounding
+        self.binding.set_seed(rounding_seed(rounding))
 
     def load_nested(self, state_dict, prefix, metadata, missing_keys, unexpected_keys, errors):
         """A parent module's load_state_dict(): the keys under `prefix`, all or nothing;

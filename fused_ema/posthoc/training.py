@@ -5,6 +5,7 @@ dtypes, buffers, names, checkpoints, structure changes, non_blocking, compile) i
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -18,8 +19,6 @@ from ..ema import ModelEma
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
 from .snapshotting import Snapshots
 
-FORMAT = "fused_ema.posthoc"
-FORMAT_VERSION = 1
 _UINT64 = 2**64
 
 
@@ -47,6 +46,10 @@ class PostHocEma(TrackSet):
         ignore_names, shard, stochastic_rounding, stochastic_rounding_seed: as ModelEma (EMA k
             rounds with seed ``stochastic_rounding_seed + k``).
     """
+
+    FORMAT = "fused_ema.posthoc"
+    FORMAT_VERSION = 1
+    LEGACY_FORMATS = ("",)  # what releases before 2026-11-28 wrote
 
     def __init__(
         self,
@@ -106,7 +109,10 @@ class PostHocEma(TrackSet):
 
     def _follow(self) -> None:
         super()._follow()
-        self._t = 0 if self._tracks[0]._schedule.value() == 0 else None  # updates, if known
+        # t, the power function's update count (t = 1: the update that copies the model, step
+        # update_after_step + 1), while it is known without reading a device.
+        fresh = self._tracks[0]._schedule.value() == 0
+        self._t = -self._update_after_step if fresh else None
 
     # ------------------------------------------------------------------ the EMAs
 
@@ -229,7 +235,7 @@ class PostHocEma(TrackSet):
             problems.append(
                 f"gammas {saved!r}: this PostHocEma tracks {len(gammas)} EMAs {list(gammas)}"
             )
-        elif any(abs(float(a) - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(saved, gammas)):
+        elif not all(_close(a, b) for a, b in zip(saved, gammas)):
             problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
         index = state.get("snapshot_index")
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
@@ -243,6 +249,15 @@ class PostHocEma(TrackSet):
     def _nested_extras(self) -> dict:
         return {"snapshot_index": torch.tensor(self._snapshots.next_index)}
 
+    def _nested_problems(self, values: dict) -> list[str]:
+        index = values["snapshot_index"]
+        if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_meta:
+            if not (index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
+                index = int(index.reshape(()).item())
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            return [f"snapshot_index {values['snapshot_index']!r}: expected a whole number >= 0"]
+        return []
+
     def _restore_nested(self, values: dict) -> None:
         self._snapshots.restore(int(values["snapshot_index"]))
         self._t = None
@@ -254,6 +269,13 @@ class PostHocEma(TrackSet):
             f"PostHocEma(sigma_rels=({widths}), snapshot_every={self.snapshot_every}, "
             f"snapshot_dir={where})"
         )
+
+
+def _close(saved, gamma: float) -> bool:
+    """Whether a checkpoint's gamma is this one (a real number within 1e-9 relative)."""
+    if isinstance(saved, bool) or not isinstance(saved, (int, float)) or not math.isfinite(saved):
+        return False
+    return abs(float(saved) - gamma) <= 1e-9 * max(1.0, abs(gamma))
 
 
 def _gammas(sigma_rels, gammas) -> tuple[float, ...]:

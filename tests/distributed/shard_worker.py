@@ -26,7 +26,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fused_ema
-from worker import Net  # this folder is on sys.path, run as a script or imported
+
+# This folder, also where PYTHONSAFEPATH keeps a script's own folder off sys.path (cuda-build.sh).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker import Net  # noqa: E402
 
 STEPS = 100
 SETTINGS = dict(decay=0.95, warmup=(2.0, 0.75), update_after_step=2, update_every=3)

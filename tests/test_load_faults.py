@@ -1,0 +1,257 @@
+"""A load that has begun writing finishes: an interrupt landing among its copies, or between the
+weights and the step, leaves the whole checkpoint loaded (ModelEma, PostHocEma, Bema), never
+the weights of one with the step of another. And the checks a load makes before writing: tied
+names, a checkpoint made of the EMA's own tensors, the tracks of a PostHocEma or Bema."""
+
+import copy
+
+import pytest
+import torch
+from ema_helpers import small_mlp, trained
+from torch import nn
+
+import fused_ema
+from fused_ema import Bema, CheckpointError, ModelEma
+from fused_ema._model import swap
+from fused_ema._update.schedule import Schedule
+from fused_ema.posthoc import PostHocEma
+
+
+def weights(ema) -> dict:
+    return {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+
+
+def assert_loaded(ema, checkpoint):
+    assert ema.step == int(checkpoint["step"])
+    assert ema.schedule == checkpoint["schedule"]
+    for name, value in weights(ema).items():
+        assert torch.equal(value, checkpoint["weights"][name]), name
+
+
+def source_and_target():
+    model = small_mlp()
+    source = ModelEma(model, decay=0.5, warmup=True)
+    for step in range(1, 8):
+        source.update(trained(model, 1, seed=step))
+    target = ModelEma(model, decay=0.9)
+    target.update(trained(model, 1, seed=50))
+    return model, copy.deepcopy(source.state_dict()), target
+
+
+class InterruptAfter:
+    """Wraps `fn` so that its `n`-th call raises KeyboardInterrupt once it has run (or, with
+    before=True, instead of running)."""
+
+    def __init__(self, fn, n, before=False):
+        self.fn, self.n, self.before, self.calls = fn, n, before, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.before and self.calls == self.n:
+            raise KeyboardInterrupt
+        out = self.fn(*args, **kwargs)
+        if not self.before and self.calls == self.n:
+            raise KeyboardInterrupt
+        return out
+
+
+@pytest.mark.parametrize("after_copy", [1, 2, 5])
+def test_an_interrupt_among_the_copies_still_loads_everything(monkeypatch, after_copy):
+    _, checkpoint, target = source_and_target()
+    monkeypatch.setattr(swap, "copy_into", InterruptAfter(swap.copy_into, after_copy))
+    with pytest.raises(KeyboardInterrupt):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    assert_loaded(target, checkpoint)
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_an_interrupt_after_the_weights_still_loads_the_step_and_schedule(monkeypatch, before):
+    model, checkpoint, target = source_and_target()
+    load = InterruptAfter(Schedule.load, 1, before)
+    monkeypatch.setattr(Schedule, "load", lambda self, *args: load(self, *args))
+    with pytest.raises(KeyboardInterrupt):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    assert_loaded(target, checkpoint)
+    target.update(model)  # still usable
+
+
+@pytest.mark.parametrize("kind", ["posthoc", "bema"])
+def test_an_interrupt_between_tracks_still_loads_every_track(monkeypatch, kind):
+    torch.manual_seed(0)
+    model = small_mlp()
+    make = (lambda: PostHocEma(model, (0.05, 0.1))) if kind == "posthoc" else (
+        lambda: Bema(model, update_freq=1, lag=2)
+    )
+    source, target = make(), make()
+    for step in range(1, 6):
+        source.update(trained(model, 1, seed=step))
+    target.update(trained(model, 1, seed=40))
+    checkpoint = copy.deepcopy(source.state_dict())
+    load = InterruptAfter(Schedule.load, 1)
+    monkeypatch.setattr(Schedule, "load", lambda self, *args: load(self, *args))
+    with pytest.raises(KeyboardInterrupt):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    for track, saved in zip(target._tracks, checkpoint["emas"], strict=True):
+        assert_loaded(track, saved)
+
+
+def test_a_checkpoint_of_the_emas_own_tensors_under_other_names_loads_as_given():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    ema = ModelEma(model, decay=0.5)
+    ema.update(model)
+    live = ema.state_dict()["weights"]  # aliases of the EMA's own tensors
+    before = {k: v.clone() for k, v in live.items()}
+    swapped = {**live, "0.weight": live["1.weight"], "1.weight": live["0.weight"]}
+    ema.load_state_dict({**ema.state_dict(), "weights": swapped})
+    after = weights(ema)
+    assert torch.equal(after["0.weight"], before["1.weight"])
+    assert torch.equal(after["1.weight"], before["0.weight"])
+    assert torch.equal(after["0.bias"], before["0.bias"])
+    ema.load_state_dict(ema.state_dict())  # its own, in place: a no-op
+    assert all(torch.equal(weights(ema)[k], after[k]) for k in after)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.zeros(7), r"head\.weight: shape \[7\]"),
+        ("garbage", "head.weight: expected a tensor"),
+        (None, "head.weight: expected a tensor"),
+        ("other values", "head.weight: tied to embed.weight .* different values"),
+    ],
+)
+def test_every_name_of_a_tied_weight_is_checked(bad, match):
+    model = Tied()
+    ema = ModelEma(model, decay=0.9)
+    ema.update(model)
+    state = copy.deepcopy(ema.state_dict())
+    if bad == "other values":
+        bad = state["weights"]["embed.weight"] + torch.rand(5, 3) + 0.5
+    state["weights"]["head.weight"] = bad
+    before = weights(ema)
+    with pytest.raises(CheckpointError, match=match):
+        ema.load_state_dict(state)
+    assert all(torch.equal(weights(ema)[k], v) for k, v in before.items())
+    state["weights"]["head.weight"] = state["weights"]["embed.weight"].clone()
+    ema.load_state_dict(state)  # equal values under both names load
+
+
+@pytest.mark.parametrize("kind", ["posthoc", "bema"])
+def test_a_track_set_refuses_to_load_inside_swapped(kind):
+    torch.manual_seed(1)
+    model = nn.Linear(4, 2)
+    tracked = PostHocEma(model) if kind == "posthoc" else Bema(model, update_freq=1)
+    for step in range(1, 5):
+        tracked.update(trained(model, 1, seed=step))
+    checkpoint = copy.deepcopy(tracked.state_dict())
+    tracked.update(trained(model, 1, seed=9))
+    own = model.weight.detach().clone()
+    swapping = tracked.swapped(model) if kind == "bema" else tracked.emas[0].swapped(model)
+    with swapping, pytest.raises(RuntimeError, match="swapped"):
+        tracked.load_state_dict(checkpoint)
+    assert torch.equal(model.weight, own)
+
+
+def test_posthoc_checkpoints_carry_their_format_and_older_ones_load():
+    model = nn.Linear(4, 2)
+    posthoc = PostHocEma(model)
+    posthoc.update(model)
+    state = copy.deepcopy(posthoc.state_dict())
+    assert state["format"] == "fused_ema.posthoc"
+    PostHocEma(model).load_state_dict({**state, "format": ""})  # written before the fix
+    with pytest.raises(CheckpointError, match="not a PostHocEma state dict"):
+        PostHocEma(model).load_state_dict(ModelEma(model).state_dict())
+
+
+@pytest.mark.parametrize("gammas", [[None, None], ["a", "b"], [float("nan")] * 2, [True, 7]])
+def test_posthoc_gammas_of_any_kind_are_checked(gammas):
+    model = nn.Linear(4, 2)
+    posthoc = PostHocEma(model)
+    posthoc.update(model)
+    state = copy.deepcopy(posthoc.state_dict())
+    state["gammas"] = gammas
+    with pytest.raises(CheckpointError, match="gammas"):
+        posthoc.load_state_dict(state)
+
+
+def perturbed(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model
+
+
+def snapshot_steps(folder) -> list[int]:
+    from safetensors import safe_open
+
+    files = sorted(p for p in folder.iterdir() if "ema0" in p.name)
+    return [int(safe_open(str(p), "pt").metadata()["step"]) for p in files]
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_posthoc_resumed_writes_the_snapshots_of_an_uninterrupted_run(tmp_path, after):
+    def run(folder, updates, state=None, model_state=None):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        if model_state is not None:
+            model.load_state_dict(model_state)
+        posthoc = PostHocEma(model, update_after_step=after, snapshot_every=4, snapshot_dir=folder)
+        if state is not None:
+            posthoc.load_state_dict(state)
+        for i in updates:
+            posthoc.update(perturbed(model, i))
+        posthoc.close()
+        return posthoc, model
+
+    run(tmp_path / "straight", range(16))
+    first, model = run(tmp_path / "resumed", range(6))
+    state, model_state = copy.deepcopy(first.state_dict()), copy.deepcopy(model.state_dict())
+    run(tmp_path / "resumed", range(6, 16), state, model_state)
+    straight = snapshot_steps(tmp_path / "straight")
+    assert straight == snapshot_steps(tmp_path / "resumed")
+    # t counts from the update that copies the model (step update_after_step + 1)
+    assert straight == [t for t in range(1, 16 - after + 1) if t % 4 == 0]
+    fused_ema.posthoc.synthesize(tmp_path / "resumed", sigma_rel=0.07)
+
+
+@pytest.mark.parametrize("kind", ["posthoc", "bema"])
+def test_a_track_set_refuses_tracks_that_disagree_with_it(kind):
+    torch.manual_seed(2)
+    model = nn.Linear(4, 2)
+    if kind == "posthoc":
+        tracked, other = PostHocEma(model, update_after_step=5), PostHocEma(model)
+    else:
+        tracked, other = Bema(model, update_freq=1), Bema(model, update_freq=1)
+    for step in range(1, 9):
+        tracked.update(trained(model, 1, seed=step))
+    state = copy.deepcopy(tracked.state_dict())
+    if kind == "posthoc":
+        with pytest.raises(CheckpointError, match="schedule"):
+            other.load_state_dict(state)  # its EMAs copy the model for 5 steps; other's do not
+    else:
+        bad = copy.deepcopy(state)
+        bad["emas"] = bad["emas"][::-1]
+        with pytest.raises(CheckpointError, match="schedule"):
+            other.load_state_dict(bad)
+        bad = copy.deepcopy(state)
+        bad["step"] = -5
+        with pytest.raises(CheckpointError, match="step"):
+            other.load_state_dict(bad)
+    bad = copy.deepcopy(state)
+    bad["emas"][1]["step"] = torch.tensor(100)
+    with pytest.raises(CheckpointError, match="different steps"):
+        tracked.load_state_dict(bad)
+    assert [t.step for t in tracked._tracks] == [8] * len(tracked._tracks)
+    tracked.load_state_dict(state)
