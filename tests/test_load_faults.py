@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-from ema_helpers import small_mlp, trained
 from torch import nn
 
 import fused_ema
+from ema_helpers import small_mlp, trained
 from fused_ema import Bema, CheckpointError, ModelEma
 from fused_ema._model import swap
 from fused_ema._update.schedule import Schedule
@@ -81,8 +81,10 @@ def test_an_interrupt_after_the_weights_still_loads_the_step_and_schedule(monkey
 def test_an_interrupt_between_tracks_still_loads_every_track(monkeypatch, kind):
     torch.manual_seed(0)
     model = small_mlp()
-    make = (lambda: PostHocEma(model, (0.05, 0.1))) if kind == "posthoc" else (
-        lambda: Bema(model, update_freq=1, lag=2)
+    make = (
+        (lambda: PostHocEma(model, (0.05, 0.1)))
+        if kind == "posthoc"
+        else (lambda: Bema(model, update_freq=1, lag=2))
     )
     source, target = make(), make()
     for step in range(1, 6):
