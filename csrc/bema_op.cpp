@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "lerp_op.h"
+#include "opmath.h"
 #include "weight_vector.h"
 
 namespace fused_ema {
@@ -98,6 +99,8 @@ BemaWeights checked_bema_weights(const double (&values)[3]) {
   for (int k = 0; k < kLists; ++k) {
     TORCH_CHECK_VALUE(std::isfinite(values[k]), kOp, "weights[", k, "] (", kWeightNames[k],
                       ") must be finite, got ", values[k]);
+    TORCH_CHECK_VALUE(fits_float(values[k]), kOp, "weights[", k, "] (", kWeightNames[k],
+                      ") must fit a float32, got ", values[k]);
     checked.values[k] = values[k];
   }
   return checked;

@@ -137,8 +137,10 @@ PyMethodDef kMethods[] = {
      "(depth-first pre-order, None children skipped), its _parameters values, then its "
      "persistent _buffers values; None entries kept. names=True: (list, hash of the names)."},
     {"named_walk", fused_ema::python_named_walk, METH_VARARGS,
-     "named_walk(model, with_buffers=True) -> list: tensor_walk's items as (full name, value, "
-     "is_parameter), each module's names prefixed as named_modules first reaches it."},
+     "named_walk(model, with_buffers=True, every_path=False) -> list: tensor_walk's items as "
+     "(full name, value, is_parameter), each module's names prefixed as named_modules first "
+     "reaches it; every_path=True: a module reachable by several paths is walked along each, "
+     "as state_dict() names it."},
     {"walk_signature", fused_ema::python_walk_signature, METH_O,
      "walk_signature(walk: list) -> bytes: each item's Python type, dtype, layout, device and "
      "sizes, or a None marker."},

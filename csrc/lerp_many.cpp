@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "lerp_op.h"
+#include "opmath.h"
 #include "weight_vector.h"
 
 namespace fused_ema {
@@ -113,6 +114,8 @@ TrackWeights checked_track_weights(const at::Tensor& weights, size_t tracks) {
 TrackWeights checked_track_weights(std::vector<double> values) {
   for (size_t k = 0; k < values.size(); ++k) {
     TORCH_CHECK_VALUE(std::isfinite(values[k]), kOp, "weights[", k, "] must be finite, got ",
+                      values[k]);
+    TORCH_CHECK_VALUE(fits_float(values[k]), kOp, "weights[", k, "] must fit a float32, got ",
                       values[k]);
   }
   return {std::move(values), nullptr};

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "opmath.h"
+
 namespace fused_ema {
 namespace {
 
@@ -87,6 +89,7 @@ LerpWeight checked_weight(const c10::Scalar& weight) {
   // without a sync, so only host-known weights are.
   const double value = weight.toDouble();
   TORCH_CHECK_VALUE(std::isfinite(value), kOp, "weight must be finite, got ", value);
+  TORCH_CHECK_VALUE(fits_float(value), kOp, "weight must fit a float32, got ", value);
   return {value, nullptr};
 }
 
@@ -133,6 +136,7 @@ LerpWeight checked_weight(const at::Tensor& weight) {
   const double value = type == at::kFloat ? static_cast<double>(*weight.const_data_ptr<float>())
                                           : *weight.const_data_ptr<double>();
   TORCH_CHECK_VALUE(std::isfinite(value), kOp, "weight must be finite, got ", value);
+  TORCH_CHECK_VALUE(fits_float(value), kOp, "weight must fit a float32, got ", value);
   return {value, nullptr};
 }
 

@@ -207,24 +207,39 @@ class PointerSet {
 //   item(name, value, is_param) for each parameter slot and persistent buffer;
 //   child(name, child, tag&)    for each child slot that is not None;
 // and returns false if the walk stopped. The tag child() sets (say, where the visitor keeps the
-// child's name prefix) comes back with the child's module() call; the model's is 0.
+// child's name prefix) comes back with the child's module() call; the model's is 0. With
+// every_path, a module reachable by several paths is visited along each (as state_dict() names
+// it), a cycle still only once.
 template <typename Visitor>
-bool walk_modules(PyObject* model, bool with_buffers, Visitor& visitor) {
+bool walk_modules(PyObject* model, bool with_buffers, Visitor& visitor, bool every_path = false) {
   using namespace walk_detail;
   const WalkNames* names = WalkNames::get();
   if (names == nullptr) {
     return false;
   }
-  std::vector<std::pair<OwnedRef, size_t>> stack;
+  struct Pending {
+    OwnedRef module;
+    size_t tag;
+    size_t depth;
+  };
+  std::vector<Pending> stack;
   std::vector<OwnedRef> visited;
+  std::vector<PyObject*> path;  // every_path: the modules above the one visited
   PointerSet seen;
-  stack.emplace_back(OwnedRef(model), 0);
+  stack.push_back({OwnedRef(model), 0, 0});
   while (!stack.empty()) {
-    const size_t tag = stack.back().second;
-    visited.push_back(std::move(stack.back().first));
+    const size_t tag = stack.back().tag;
+    const size_t depth = stack.back().depth;
+    visited.push_back(std::move(stack.back().module));
     stack.pop_back();
     PyObject* module = visited.back().get();
-    if (!seen.insert(module)) {
+    if (every_path) {
+      path.resize(depth);
+      if (std::find(path.begin(), path.end(), module) != path.end()) {
+        continue;  // a module inside itself
+      }
+      path.push_back(module);
+    } else if (!seen.insert(module)) {
       continue;
     }
     ModuleDicts d;
@@ -255,7 +270,7 @@ bool walk_modules(PyObject* model, bool with_buffers, Visitor& visitor) {
           if (!visitor.child(name, child, child_tag)) {
             return false;
           }
-          stack.emplace_back(OwnedRef(child), child_tag);
+          stack.push_back({OwnedRef(child), child_tag, depth + 1});
           return true;
         })) {
       return false;

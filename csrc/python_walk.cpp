@@ -1,7 +1,8 @@
 // fused_ema._C.tensor_walk: the model's tensors in walk order (module_walk.h), with a hash of
 // every name on the way: what an update compares with its plan's walk (python_walk_check.cpp)
 // whenever the walk cache (python_walk_cache.cpp) cannot vouch that the model is unchanged.
-// fused_ema._C.named_walk: the same walk with every item's full name, for building a plan.
+// fused_ema._C.named_walk: the same walk with every item's full name, for building a plan; with
+// every_path, also the names a module reachable by several paths has under each (state_dict's).
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
 
@@ -135,11 +136,12 @@ PyObject* python_named_walk(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* model = nullptr;
   int with_buffers = 1;
-  if (!PyArg_ParseTuple(args, "O|p:named_walk", &model, &with_buffers)) {
+  int every_path = 0;
+  if (!PyArg_ParseTuple(args, "O|pp:named_walk", &model, &with_buffers, &every_path)) {
     return nullptr;
   }
   NamedVisitor walk;
-  if (!walk.ready() || !walk_modules(model, with_buffers != 0, walk)) {
+  if (!walk.ready() || !walk_modules(model, with_buffers != 0, walk, every_path != 0)) {
     return nullptr;
   }
   return walk.release();

@@ -218,7 +218,6 @@ class ModelEma(TimmAttributes, nn.Module):
         """
         if torch.compiler.is_compiling():
             return self._updater.trace(unwrap_model(model), step, self._key)
-        self._ready("update")
         self._updater.update(self, unwrap_model(model), step, non_blocking)
 
     def _update_from_trace(self, values: list, step) -> None:

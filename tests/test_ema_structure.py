@@ -147,6 +147,37 @@ def test_lazy_modules_are_refused_until_materialized_by_name():
         torch.testing.assert_close(ema.module.state_dict()[name].double(), expected)
 
 
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_a_module_under_several_names_loads_every_state_dict_it_makes(kind):
+    torch.manual_seed(4)
+    block = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    if kind == "dict":
+        model = nn.ModuleDict({"enc": block, "dec": block})
+    else:
+        model = nn.Sequential(nn.Linear(3, 3), nn.ModuleList([block] * 3))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    assert set(ema.names()) == set(model.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    saved = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    for state in (
+        model.state_dict(),
+        {"state_dict_ema": model.state_dict()},  # timm's training checkpoint
+        saved,
+    ):
+        ema.load_state_dict(state)
+        for name, value in ema.module.state_dict().items():
+            assert torch.equal(value, state.get("state_dict_ema", state)[name]), name
+    ema.update(model)
+    expected = 0.5 * saved["1.0.0.weight" if kind == "list" else "dec.0.weight"].double()
+    weight = model[1][0][0].weight if kind == "list" else model["dec"][0].weight
+    expected += 0.5 * weight.detach().double()
+    got = ema.module.state_dict()["1.2.0.weight" if kind == "list" else "enc.0.weight"]
+    torch.testing.assert_close(got.double(), expected)
+
+
 def test_meta_model_then_to_empty_and_resync():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))

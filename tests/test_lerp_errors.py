@@ -149,6 +149,18 @@ def test_non_finite_weight(lerp, device, weight):
     assert_rejected(lerp, ema, src, weight, ValueError, r"weight must be finite")
 
 
+@pytest.mark.parametrize("weight", [1e39, -3.5e38, torch.tensor(1e39, dtype=torch.float64)])
+def test_weights_beyond_float32_are_refused_before_writing(lerp, device, weight):
+    """The kernels of 32- and 16-bit EMAs compute in float32: 1e39 would be inf there."""
+    ema, src = good_lists(device)
+    assert_rejected(lerp, ema, src, weight, ValueError, "weight must fit a float32")
+    emas = [[e.clone() for e in ema] for _ in range(2)]
+    before = [[e.clone() for e in group] for group in emas]
+    with pytest.raises(ValueError, match=r"weights\[1\] must fit a float32"):
+        fused_ema.lerp_many_(emas, src, [0.5, 1e39])
+    assert all(torch.equal(a, b) for g, h in zip(emas, before) for a, b in zip(g, h))
+
+
 def test_non_finite_cpu_tensor_weight(device):
     ema, src = good_lists(device)
     assert_rejected(

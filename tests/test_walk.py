@@ -127,6 +127,49 @@ def test_named_walk_is_the_walk_with_named_modules_names(model, with_buffers):
         )
 
 
+def reference_state_dict_walk(model: nn.Module, with_buffers: bool) -> list:
+    """reference_named_walk along every path to every module, as state_dict() names them."""
+    out = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        out += [(dot + n, p, True) for n, p in module._parameters.items()]
+        if with_buffers:
+            skip = module._non_persistent_buffers_set
+            out += [(dot + n, b, False) for n, b in module._buffers.items() if n not in skip]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=module_trees(), with_buffers=st.booleans())
+def test_named_walk_along_every_path_names_what_state_dict_names(model, with_buffers):
+    from fused_ema._model.walk import named_tensors
+
+    named = _C.named_walk(model, with_buffers, True)
+    expected = reference_state_dict_walk(model, with_buffers)
+    assert [(n, k) for n, _, k in named] == [(n, k) for n, _, k in expected]
+    assert same_objects([v for _, v, _ in named], [v for _, v, _ in expected])
+    # Every name state_dict() gives a tracked tensor is one of its names, the first unchanged.
+    tracked = named_tensors(model, with_buffers)
+    names = {n: t for t in tracked for n in t.names}
+    state = model.state_dict(keep_vars=True)
+    for name, value in state.items():
+        if value is not None and (with_buffers or name in dict(model.named_parameters())):
+            assert names[name].tensor is value, name
+    # ... and each tensor's first name is the one the walk of distinct modules gives it.
+    first = {}
+    for name, value, _ in _C.named_walk(model, with_buffers):
+        if value is not None:
+            first.setdefault(id(value), name)
+    assert [t.name for t in tracked] == [first[id(t.tensor)] for t in tracked]
+
+
+def test_named_walk_along_every_path_visits_a_cycle_once():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].add_module("back", model)
+    names = [n for n, _, _ in _C.named_walk(model, True, True)]
+    assert names == ["0.weight", "0.bias"]
+
+
 def test_walk_default_keeps_buffers_and_none_entries():
     model = nn.Module()
     model.register_parameter("p", None)

@@ -95,11 +95,12 @@ class Tracked:
 def named_tensors(model: nn.Module, with_buffers: bool = True) -> list[Tracked]:
     """Every distinct parameter, then every distinct persistent buffer, by first name: the walk
     (_C.named_walk, the one definition of which tensors a model has, under which names and in
-    which order) with ties gathered under the first name."""
+    which order) with ties gathered under the first name. A module registered under several
+    names (nn.ModuleList([block] * 4)) gives its tensors every name state_dict() gives them."""
     by_id: dict[int, Tracked] = {}
     params: list[Tracked] = []
     buffers: list[Tracked] = []
-    for name, tensor, is_param in _C.named_walk(model, with_buffers):
+    for name, tensor, is_param in _C.named_walk(model, with_buffers, True):
         if tensor is None:
             continue
         full = clean_name(name)

@@ -6,6 +6,7 @@ while swapped() lends the EMA's tensors to the model. Owns the state no copy or 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 
 import torch
@@ -52,6 +53,7 @@ class Updater:
         self.joint = "lerp_many"  # how a leader updates its followers (plan.DeviceGroup.joined)
         self.leader = None
         self.ema_ref = None  # a follower's ModelEma (weakly: it owns this updater)
+        self.lock = threading.RLock()  # one update at a time (see update)
 
     def follow(self, leader, ema, joint: str = "lerp_many") -> None:
         """Makes `ema` (this updater's ModelEma) one of the EMAs `leader` updates, the way
@@ -83,7 +85,21 @@ class Updater:
 
     def update(self, ema, model, step, non_blocking: bool, values=None) -> None:
         """One update of `ema` toward `model` (unwrapped); `values` are those a compiled program
-        walked. A failure leaves the step, the schedule and the binding as they were."""
+        walked. A failure leaves the step, the schedule and the binding as they were. Another
+        thread's update meanwhile is refused: the two would average into the same tensors."""
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError(
+                "fused_ema: ModelEma.update() is already running in another thread; two updates "
+                "at once would tear the EMA tensors and their step. Update from one thread (or "
+                "hold a lock around the calls)"
+            )
+        try:
+            self.ready("update")
+            self._update_locked(ema, model, step, non_blocking, values)
+        finally:
+            self.lock.release()
+
+    def _update_locked(self, ema, model, step, non_blocking: bool, values) -> None:
         if self.leader is not None:
             raise RuntimeError(
                 "fused_ema: this EMA is one of a PostHocEma's tracks, which update together: "
@@ -100,6 +116,10 @@ class Updater:
         """update() with autograd off; False when the worker finishes it (synchronize() then
         commits or rolls back)."""
         schedules = [self.schedule] + [f.schedule for f in self.followers]
+        for schedule in schedules:
+            # A step begun by an update that landed whole but was interrupted before it could
+            # commit: it is final, and this update must not roll it back if it fails.
+            schedule.commit()
         plan, undos = None, []
         try:
             plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, self.schedule)
@@ -164,7 +184,6 @@ class Updater:
         model = self.binding.model_ref()
         if model is None:
             raise RuntimeError("fused_ema: the model this EMA follows no longer exists")
-        self.ready("update")
         self.update(ema, model, step, False, values)
 
     def synchronize(self) -> None:
