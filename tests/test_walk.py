@@ -93,10 +93,11 @@ def test_walk_equals_python_walk_and_named_modules_order(model, with_buffers):
     assert same_objects(walk, _C.tensor_walk(model, with_buffers=with_buffers))
 
 
-def reference_named_walk(model: nn.Module, with_buffers: bool) -> list:
-    """(full name, value, is a parameter) from named_modules and each module's own dicts."""
+def reference_named_walk(model: nn.Module, with_buffers: bool, every_path=False) -> list:
+    """(full name, value, is a parameter) from named_modules and each module's own dicts; with
+    every_path, along every path to every module, as state_dict() names them."""
     out = []
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=not every_path):
         dot = f"{prefix}." if prefix else ""
         out += [(dot + n, p, True) for n, p in module._parameters.items()]
         if with_buffers:
@@ -127,25 +128,13 @@ def test_named_walk_is_the_walk_with_named_modules_names(model, with_buffers):
         )
 
 
-def reference_state_dict_walk(model: nn.Module, with_buffers: bool) -> list:
-    """reference_named_walk along every path to every module, as state_dict() names them."""
-    out = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        out += [(dot + n, p, True) for n, p in module._parameters.items()]
-        if with_buffers:
-            skip = module._non_persistent_buffers_set
-            out += [(dot + n, b, False) for n, b in module._buffers.items() if n not in skip]
-    return out
-
-
 @settings(max_examples=60, deadline=None)
 @given(model=module_trees(), with_buffers=st.booleans())
 def test_named_walk_along_every_path_names_what_state_dict_names(model, with_buffers):
     from fused_ema._model.walk import named_tensors
 
     named = _C.named_walk(model, with_buffers, True)
-    expected = reference_state_dict_walk(model, with_buffers)
+    expected = reference_named_walk(model, with_buffers, every_path=True)
     assert [(n, k) for n, _, k in named] == [(n, k) for n, _, k in expected]
     assert same_objects([v for _, v, _ in named], [v for _, v, _ in expected])
     # Every name state_dict() gives a tracked tensor is one of its names, the first unchanged.
