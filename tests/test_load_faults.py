@@ -257,3 +257,20 @@ def test_a_track_set_refuses_tracks_that_disagree_with_it(kind):
         tracked.load_state_dict(bad)
     assert [t.step for t in tracked._tracks] == [8] * len(tracked._tracks)
     tracked.load_state_dict(state)
+
+
+def test_a_posthoc_checkpoint_whose_gammas_differ_in_the_last_bits_loads():
+    """A gamma computed from sigma_rel on another machine may differ in its last bits."""
+    torch.manual_seed(5)
+    model = nn.Linear(4, 2)
+    posthoc = PostHocEma(model, (0.05, 0.1))
+    for step in range(1, 4):
+        posthoc.update(trained(model, 1, seed=step))
+    state = copy.deepcopy(posthoc.state_dict())
+    state["gammas"] = [g * (1 + 1e-13) for g in state["gammas"]]
+    for track in state["emas"]:
+        kind, gamma = track["schedule"]["warmup"]
+        track["schedule"]["warmup"] = (kind, gamma * (1 + 1e-13))
+    fresh = PostHocEma(model, (0.05, 0.1))
+    fresh.load_state_dict(state)
+    assert [t.step for t in fresh.emas] == [3, 3]
