@@ -25,6 +25,7 @@ from . import peers
 class Contender:
     name = ""
     package = ""  # an optional import; missing means "not installed"
+    checked = True  # its update is checked against the float64 reference before it is timed
     stochastic_rounding = False  # rounds a 16-bit EMA stochastically (and is checked for it)
     note = ""  # appended to a failed check: what the library is known to do here
 
@@ -101,6 +102,27 @@ class FusedOp(_Lists):
             torch.cuda.synchronize()
             src = self.staging
         fused_ema.lerp_(self.ema_list, src, 1.0 - self.decay)
+
+
+class FlatFloor(Contender):
+    """The floor: fused_ema.lerp_ over one flat tensor with as many elements as the model has
+    parameters (the model's dtype, the EMA's dtype and device): an update's bytes with no
+    per-tensor work. Its data is its own (it averages no model tensor), so it is not checked."""
+
+    name = "flat floor (lerp_, 1 tensor)"
+    checked = False
+
+    def __init__(self, model, decay, ema_dtype, ema_device):
+        super().__init__(model, decay, ema_dtype, ema_device)
+        params = list(model.parameters())
+        device = ema_device or params[0].device
+        g = torch.Generator().manual_seed(0)
+        numel = sum(p.numel() for p in params)
+        self.src = (torch.randn(numel, generator=g) * 0.02).to(device, params[0].dtype)
+        self.flat = (torch.randn(numel, generator=g) * 0.02).to(device, ema_dtype)
+
+    def step(self):
+        fused_ema.lerp_([self.flat], [self.src], 1.0 - self.decay)
 
 
 def _malloc_trim():
@@ -355,6 +377,7 @@ class ModelEmaStochastic(ModelEmaUpdate):
 ALL = [
     FusedOp,
     ModelEmaUpdate,
+    FlatFloor,
     ForeachLerp,
     ForeachLerpReusedUpcast,
     LerpLoop,

@@ -108,12 +108,12 @@ BemaWeights checked_bema_weights(const double (&values)[3]) {
 
 void bema(TensorRefs ema, TensorRefs theta0, TensorRefs out, TensorRefs src,
           const at::Tensor& weights) {
-  bema(ema, theta0, out, src, checked_bema_weights(weights));
+  const BemaWeights checked = checked_bema_weights(weights);
+  run_bema_call(plan_bema_call(ema, theta0, out, src, checked), src.size(), checked);
 }
 
-void bema(TensorRefs ema, TensorRefs theta0, TensorRefs out, TensorRefs src,
-          const BemaWeights& checked) {
-  RECORD_FUNCTION("fused_ema::bema_", std::vector<c10::IValue>());
+std::vector<DevicePlan> plan_bema_call(TensorRefs ema, TensorRefs theta0, TensorRefs out,
+                                       TensorRefs src, const BemaWeights& weights) {
   const std::array<TensorRefs, kLists> lists{ema, theta0, out};
   check_lists(lists, src);
   std::vector<const at::Tensor*> targets;
@@ -122,22 +122,27 @@ void bema(TensorRefs ema, TensorRefs theta0, TensorRefs out, TensorRefs src,
     targets.insert(targets.end(), list.begin(), list.end());
   }
   // Row-major spans: the three targets of a tensor must list its elements in one order.
-  std::vector<DevicePlan> plans = plan_lerp_many(
+  return plan_lerp_many(
       targets, src, /*row_major=*/true,
       [&](const DevicePlan& plan) {
         check_has_kernel(runners()[static_cast<size_t>(plan.device.type())] != nullptr, plan.device,
                          kOp);
-        const at::Tensor* t = checked.device_tensor;
+        const at::Tensor* t = weights.device_tensor;
         TORCH_CHECK(t == nullptr || t->device() == plan.device, kOp, "weights is on ", t->device(),
                     " but EMA tensors are on ", plan.device,
                     "; pass the weights on the EMAs' device, on the CPU, or as floats");
       },
       {kOp, 0, kListNames});
-  if (!checked.any_work()) {
+}
+
+void run_bema_call(const std::vector<DevicePlan>& plans, size_t tensors,
+                   const BemaWeights& weights) {
+  RECORD_FUNCTION("fused_ema::bema_", std::vector<c10::IValue>());
+  if (!weights.any_work()) {
     return;  // host weights all 0: every list stays as it is, untouched
   }
   for (const DevicePlan& plan : plans) {
-    runners()[static_cast<size_t>(plan.device.type())](plan, items_of(plan, src.size()), checked);
+    runners()[static_cast<size_t>(plan.device.type())](plan, items_of(plan, tensors), weights);
   }
 }
 

@@ -51,9 +51,13 @@ BemaWeights checked_bema_weights(const double (&values)[3]);
 // `weights` as checked_bema_weights takes it.
 void bema(TensorRefs ema, TensorRefs theta0, TensorRefs out, TensorRefs src,
           const at::Tensor& weights);
-// The same with weights already checked (the Python fast path, python_fast_path.cpp).
-void bema(TensorRefs ema, TensorRefs theta0, TensorRefs out, TensorRefs src,
-          const BemaWeights& weights);
+
+// bema_ in two halves: every check and the plans, then the runs. A prepared update
+// (prepared_update.h) keeps the plans and runs them again.
+std::vector<DevicePlan> plan_bema_call(TensorRefs ema, TensorRefs theta0, TensorRefs out,
+                                       TensorRefs src, const BemaWeights& weights);
+void run_bema_call(const std::vector<DevicePlan>& plans, size_t tensors,
+                   const BemaWeights& weights);
 
 // The signature the dispatcher calls (schema in fused_ema.cpp).
 void bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at::TensorList src,

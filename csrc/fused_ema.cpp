@@ -25,12 +25,6 @@ int cuda_version_built();
 #endif
 
 namespace fused_ema {
-// python_fast_path.cpp
-PyObject* python_lerp_eager(PyObject* module, PyObject* args);
-PyObject* python_lerp_many_eager(PyObject* module, PyObject* args);
-PyObject* python_bema_eager(PyObject* module, PyObject* args);
-// python_schedule.cpp
-PyObject* python_schedule_begin(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 // python_walk.cpp
 PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs);
 PyObject* python_named_walk(PyObject* module, PyObject* args);
@@ -41,6 +35,10 @@ PyObject* python_walk_agrees(PyObject* module, PyObject* const* args, Py_ssize_t
 // python_walk_cache.cpp
 PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+// prepared_update.cpp
+PyObject* python_run_prepared(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+PyObject* python_prepared_free(PyObject* module, PyObject* handle);
+PyObject* python_prepared_runs(PyObject* module, PyObject* handle);
 // grad_mode.cpp
 PyObject* python_without_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace fused_ema
@@ -70,6 +68,14 @@ TORCH_LIBRARY(fused_ema, m) {
   // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
   // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
   m.def("ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()");
+  // A ModelEma update prepared once (prepared_update.h): made from its schedules' (step, out,
+  // config) triples, given its fused calls (kind: 0 lerp_, 1 lerp_stochastic_, 2 lerp_many_,
+  // 3 lerp_many_stochastic_, 4 bema_) and copies, then run by handle (fused_ema._C.run_prepared).
+  m.def("prepared_new(Tensor[] schedules) -> int");
+  m.def(
+      "prepared_add_call(int handle, int kind, Tensor[] emas, Tensor[] src, Tensor weights, "
+      "int[] joint, Tensor? step, int[] seeds, int[] keys, int[] offsets) -> ()");
+  m.def("prepared_add_copies(int handle, Tensor[] dst, Tensor[] src) -> ()");
 }
 
 namespace {
@@ -115,22 +121,6 @@ PyMethodDef kMethods[] = {
     {"available_cpu_isas", available_cpu_isas, METH_NOARGS,
      "Instruction sets compiled in and supported by this CPU."},
     {"set_cpu_isa", set_cpu_isa, METH_O, "Select the CPU instruction set by name."},
-    {"_lerp_eager", fused_ema::python_lerp_eager, METH_VARARGS,
-     "lerp_(ema: list, src: list, weight: float | int | Tensor) on plain tensors without the "
-     "dispatcher; returns False, having done nothing, where the dispatcher is needed."},
-    {"_lerp_many_eager", fused_ema::python_lerp_many_eager, METH_VARARGS,
-     "lerp_many_(emas: list of lists, src: list, weights: list of floats | Tensor) on plain "
-     "tensors without the dispatcher; returns False, having done nothing, where the dispatcher is "
-     "needed."},
-    {"_bema_eager", fused_ema::python_bema_eager, METH_VARARGS,
-     "bema_(ema: list, theta0: list, out: list, src: list, weights: 3 floats | Tensor) on plain "
-     "tensors without the dispatcher; returns False, having done nothing, where the dispatcher "
-     "is needed."},
-    {"schedule_begin", reinterpret_cast<PyCFunction>(fused_ema::python_schedule_begin),
-     METH_FASTCALL,
-     "schedule_begin(schedule, step: int | Tensor | None): saves schedule.step in "
-     "schedule._saved, sets schedule._dirty, then sets (step) or advances (None) the counter and "
-     "computes the step's weight with ema_schedule_."},
     {"tensor_walk", reinterpret_cast<PyCFunction>(fused_ema::python_tensor_walk),
      METH_VARARGS | METH_KEYWORDS,
      "tensor_walk(model, with_buffers=True, names=False) -> list: per distinct module "
@@ -159,6 +149,15 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL,
      "walk_unchanged(cache, model) -> list | None: the cached walk, as a new list, if nothing it "
      "read changed and every item keeps its signature; else None."},
+    {"run_prepared", reinterpret_cast<PyCFunction>(fused_ema::python_run_prepared), METH_FASTCALL,
+     "run_prepared(handle, cache, model, mode, step, replan) -> bool: one update by a prepared "
+     "plan (mode 0 advance, 1 set to step, 2 keep the counters); False, having changed nothing, "
+     "when the walk cache (if given) finds the model changed or, without replan, a tensor is no "
+     "longer what was planned."},
+    {"prepared_runs", fused_ema::python_prepared_runs, METH_O,
+     "prepared_runs(handle) -> int: the runs of a prepared update that have completed."},
+    {"prepared_free", fused_ema::python_prepared_free, METH_O,
+     "prepared_free(handle): drops a prepared update and the tensors it holds."},
     {"without_grad", reinterpret_cast<PyCFunction>(fused_ema::python_without_grad), METH_FASTCALL,
      "without_grad(fn, *args) -> fn(*args) with autograd off; the caller's grad mode is restored "
      "on every way out (exceptions and interrupts included) with no Python code in between."},

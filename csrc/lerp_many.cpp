@@ -57,21 +57,14 @@ void check_runner(Runner runner, const DevicePlan& plan, const TrackWeights& wei
               "; pass the weights on the EMAs' device, on the CPU, or as floats");
 }
 
-// Leaves out the pairs of tracks whose host weight is 0: they would leave every value as it is,
-// and lerp_ touches no memory for them either. Then groups the pairs by tensor (the planner added
-// them track by track), each tensor's in the order they had.
-void group_by_tensor(DevicePlan& plan, size_t tensors, size_t tracks, const TrackWeights& weights) {
+// Groups the pairs by tensor (the planner added them track by track), each tensor's in the order
+// they had.
+void group_by_tensor(DevicePlan& plan, size_t tensors, size_t tracks) {
   std::vector<FlatPair>& pairs = plan.pairs;
-  const TrackIndex at(tensors);
-  const std::vector<double>& values = weights.values;
-  if (std::find(values.begin(), values.end(), 0.0) != values.end()) {
-    pairs.erase(std::remove_if(pairs.begin(), pairs.end(),
-                               [&](const FlatPair& p) { return values[at.track(p.index)] == 0.0; }),
-                pairs.end());
-  }
   if (tracks < 2 || pairs.size() < 2) {
     return;
   }
+  const TrackIndex at(tensors);
   Scratch<uint32_t, 0> starts_scratch;
   std::vector<uint32_t>& starts = starts_scratch.vec;
   starts.assign(tensors + 1, 0);
@@ -87,6 +80,18 @@ void group_by_tensor(DevicePlan& plan, size_t tensors, size_t tracks, const Trac
     grouped.vec[starts[at.tensor(pair.index)]++] = pair;
   }
   pairs.swap(grouped.vec);
+}
+
+// The plan without the pairs of tracks whose host weight is 0: they would leave every value as it
+// is, and lerp_ touches no memory for them either (nor for NaN or infinite sources).
+DevicePlan without_zero_tracks(const DevicePlan& plan, size_t tensors,
+                               const std::vector<double>& values) {
+  DevicePlan kept(plan.device);
+  const TrackIndex at(tensors);
+  std::copy_if(plan.pairs.begin(), plan.pairs.end(), std::back_inserter(kept.pairs),
+               [&](const FlatPair& p) { return values[at.track(p.index)] != 0.0; });
+  kept.write_backs = plan.write_backs;  // a stand-in left alone holds what its EMA held
+  return kept;
 }
 
 }  // namespace
@@ -125,34 +130,15 @@ void check_tracks_runnable(const DevicePlan& plan, const TrackWeights& weights) 
   check_runner(runners()[static_cast<size_t>(plan.device.type())], plan, weights);
 }
 
-void run_track_plans(std::vector<DevicePlan> plans, size_t tensors, const TrackWeights& weights) {
-  RECORD_FUNCTION("fused_ema::lerp_many_", std::vector<c10::IValue>());
-  for (DevicePlan& plan : plans) {
-    group_by_tensor(plan, tensors, weights.tracks(), weights);
-    runners()[static_cast<size_t>(plan.device.type())](plan, tensors, weights);
-  }
-}
-
-void lerp_many(TensorRefs emas, TensorRefs src, const at::Tensor& weights) {
-  const TrackWeights checked = checked_track_weights(weights, track_count(emas, src, weights));
-  run_track_plans(
-      plan_lerp_many(emas, src, /*row_major=*/false,
-                     [&](const DevicePlan& plan) { check_tracks_runnable(plan, checked); }),
-      src.size(), checked);
-}
-
-void lerp_many_stochastic(TensorRefs emas, TensorRefs src, const at::Tensor& weights,
-                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
-                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
-  RECORD_FUNCTION("fused_ema::lerp_many_stochastic_", std::vector<c10::IValue>());
-  const size_t tracks = track_count(emas, src, weights);
+TrackRounding checked_track_rounding(size_t tracks, TensorRefs src, const at::Tensor& step,
+                                     c10::ArrayRef<int64_t> seeds, c10::ArrayRef<int64_t> keys,
+                                     c10::ArrayRef<int64_t> offsets) {
   const size_t tensors = src.size();
-  const TrackWeights checked = checked_track_weights(weights, tracks);
   const CheckedStep step_arg = checked_step(step, kOp);
   TORCH_CHECK_VALUE(seeds.size() == tracks, kOp, "seeds has ", seeds.size(),
                     " entries but there are ", tracks, " tracks (one seed per track)");
-  TORCH_CHECK_VALUE(keys.size() == emas.size(), kOp, "keys has ", keys.size(),
-                    " entries but emas has ", emas.size(),
+  TORCH_CHECK_VALUE(keys.size() == tracks * tensors, kOp, "keys has ", keys.size(),
+                    " entries but emas has ", tracks * tensors,
                     " tensors (one key per EMA tensor, track k's tensor i at k * len(src) + i)");
   TORCH_CHECK_VALUE(offsets.size() == tensors, kOp, "offsets has ", offsets.size(),
                     " entries but src has ", tensors, " tensors");
@@ -167,19 +153,62 @@ void lerp_many_stochastic(TensorRefs emas, TensorRefs src, const at::Tensor& wei
     TORCH_CHECK_VALUE(offsets[i] <= INT64_MAX - src[i]->numel(), kOp, "offsets[", i, "] + src[", i,
                       "].numel() overflows int64");
   }
+  return {seeds, step_arg.value, step_arg.tensor, keys, offsets};
+}
+
+std::vector<DevicePlan> plan_tracks_call(TensorRefs emas, TensorRefs src,
+                                         const TrackWeights& weights,
+                                         const TrackRounding* rounding) {
   std::vector<DevicePlan> plans =
-      plan_lerp_many(emas, src, /*row_major=*/true, [&](const DevicePlan& plan) {
-        check_runner(stochastic_runners()[static_cast<size_t>(plan.device.type())], plan, checked);
-        const at::Tensor* t = step_arg.tensor;
+      plan_lerp_many(emas, src, /*row_major=*/rounding != nullptr, [&](const DevicePlan& plan) {
+        if (rounding == nullptr) {
+          check_tracks_runnable(plan, weights);
+          return;
+        }
+        check_runner(stochastic_runners()[static_cast<size_t>(plan.device.type())], plan, weights);
+        const at::Tensor* t = rounding->step_tensor;
         TORCH_CHECK(t == nullptr || t->device() == plan.device, kOp, "step is on ", t->device(),
                     " but EMA tensors are on ", plan.device,
                     "; pass the step on the EMAs' device, on the CPU, or as an int");
       });
-  const TrackRounding rounding{seeds, step_arg.value, step_arg.tensor, keys, offsets};
   for (DevicePlan& plan : plans) {
-    group_by_tensor(plan, tensors, tracks, checked);
-    stochastic_runners()[static_cast<size_t>(plan.device.type())](plan, tensors, checked, rounding);
+    group_by_tensor(plan, src.size(), weights.tracks());
   }
+  return plans;
+}
+
+void run_tracks_call(const std::vector<DevicePlan>& plans, size_t tensors,
+                     const TrackWeights& weights, const TrackRounding* rounding) {
+  RECORD_FUNCTION(
+      rounding == nullptr ? "fused_ema::lerp_many_" : "fused_ema::lerp_many_stochastic_",
+      std::vector<c10::IValue>());
+  const std::vector<double>& values = weights.values;
+  const bool some_zero = std::find(values.begin(), values.end(), 0.0) != values.end();
+  for (const DevicePlan& whole : plans) {
+    const DevicePlan kept =
+        some_zero ? without_zero_tracks(whole, tensors, values) : DevicePlan(whole.device);
+    const DevicePlan& plan = some_zero ? kept : whole;
+    const auto type = static_cast<size_t>(plan.device.type());
+    if (rounding == nullptr) {
+      runners()[type](plan, tensors, weights);
+    } else {
+      stochastic_runners()[type](plan, tensors, weights, *rounding);
+    }
+  }
+}
+
+void lerp_many(TensorRefs emas, TensorRefs src, const at::Tensor& weights) {
+  const TrackWeights checked = checked_track_weights(weights, track_count(emas, src, weights));
+  run_tracks_call(plan_tracks_call(emas, src, checked, nullptr), src.size(), checked, nullptr);
+}
+
+void lerp_many_stochastic(TensorRefs emas, TensorRefs src, const at::Tensor& weights,
+                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
+                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
+  const size_t tracks = track_count(emas, src, weights);
+  const TrackWeights checked = checked_track_weights(weights, tracks);
+  const TrackRounding rounding = checked_track_rounding(tracks, src, step, seeds, keys, offsets);
+  run_tracks_call(plan_tracks_call(emas, src, checked, &rounding), src.size(), checked, &rounding);
 }
 
 void lerp_many_op(at::TensorList emas, at::TensorList src, const at::Tensor& weights) {

@@ -67,13 +67,25 @@ using StochasticTracksRunner = void (*)(const DevicePlan& plan, size_t tensors,
 bool register_tracks_runner(c10::DeviceType type, TracksRunner runner);
 bool register_stochastic_tracks_runner(c10::DeviceType type, StochasticTracksRunner runner);
 
-// The parts of lerp_many for the Python fast path, which plans while unpacking its lists: the
-// checks of the weights of `tracks` tracks (a 1-D float32/float64 tensor, read here from the
-// CPU; host values finite), then the runs of the finished plans with their checks.
+// The checks of the weights of `tracks` tracks (a 1-D float32/float64 tensor, read here from the
+// CPU; host values finite), and of each device's plan against them.
 TrackWeights checked_track_weights(const at::Tensor& weights, size_t tracks);
 TrackWeights checked_track_weights(std::vector<double> values);
 void check_tracks_runnable(const DevicePlan& plan, const TrackWeights& weights);
-void run_track_plans(std::vector<DevicePlan> plans, size_t tensors, const TrackWeights& weights);
+
+// lerp_many_stochastic_'s step, seeds, keys and offsets checked for `tracks` tracks of `src`.
+TrackRounding checked_track_rounding(size_t tracks, TensorRefs src, const at::Tensor& step,
+                                     c10::ArrayRef<int64_t> seeds, c10::ArrayRef<int64_t> keys,
+                                     c10::ArrayRef<int64_t> offsets);
+
+// lerp_many_ (rounding null) or lerp_many_stochastic_ in two halves: every check and the plans
+// (grouped by tensor), then the runs, which leave out the tracks whose host weight is 0. A prepared
+// update (prepared_update.h) keeps the plans and runs them again.
+std::vector<DevicePlan> plan_tracks_call(TensorRefs emas, TensorRefs src,
+                                         const TrackWeights& weights,
+                                         const TrackRounding* rounding);
+void run_tracks_call(const std::vector<DevicePlan>& plans, size_t tensors,
+                     const TrackWeights& weights, const TrackRounding* rounding);
 
 // `emas` holds the K tracks one after another (track k's tensor i at k * src.size() + i);
 // `weights` is a 1-D tensor of K float32/float64 elements on the EMAs' device or the CPU.

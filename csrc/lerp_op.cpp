@@ -140,11 +140,8 @@ LerpWeight checked_weight(const at::Tensor& weight) {
   return {value, nullptr};
 }
 
-namespace {
-
-// The step and the per-tensor arguments of lerp_stochastic_; a CPU step is read here.
-StochasticRounding rounding_args(size_t count, const at::Tensor& step, int64_t seed,
-                                 c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
+StochasticRounding checked_rounding(size_t count, const at::Tensor& step, int64_t seed,
+                                    c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
   const CheckedStep checked = checked_step(step, kStochasticOp);
   TORCH_CHECK_VALUE(keys.size() == count, kStochasticOp, "keys has ", keys.size(),
                     " entries but ema has ", count, " tensors");
@@ -165,8 +162,6 @@ StochasticRounding rounding_args(size_t count, const at::Tensor& step, int64_t s
   return rounding;
 }
 
-}  // namespace
-
 CheckedStep checked_step(const at::Tensor& step, const char* op) {
   TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
   TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
@@ -178,32 +173,50 @@ CheckedStep checked_step(const at::Tensor& step, const char* op) {
   return {static_cast<uint64_t>(*step.const_data_ptr<int64_t>()), nullptr};
 }
 
+std::vector<DevicePlan> plan_lerp_call(TensorRefs ema, TensorRefs src, const LerpWeight& weight,
+                                       const StochasticRounding* rounding) {
+  if (rounding == nullptr) {
+    return plan_lerp(ema, src, /*row_major=*/false,
+                     [&](const DevicePlan& plan) { check_runnable(plan, weight); });
+  }
+  TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
+                    src.size());
+  for (size_t i = 0; i < ema.size(); ++i) {
+    TORCH_CHECK_VALUE(ema[i]->defined(), kOp, "ema[", i, "] is an undefined tensor");
+    TORCH_CHECK_VALUE(rounding->offsets[i] <= INT64_MAX - ema[i]->numel(), kStochasticOp,
+                      "offsets[", i, "] + ema[", i, "].numel() overflows int64");
+  }
+  // Every device is checked before anything is written (or a version moves).
+  return plan_lerp(ema, src, /*row_major=*/true, [&](const DevicePlan& plan) {
+    check_runner(stochastic_runners()[static_cast<size_t>(plan.device.type())], plan, weight,
+                 kStochasticOp);
+    const at::Tensor* step = rounding->step_tensor;
+    TORCH_CHECK(step == nullptr || step->device() == plan.device, kStochasticOp, "step is on ",
+                step->device(), " but ema tensors are on ", plan.device,
+                "; pass the step on the EMA's device, on the CPU, or as an int");
+  });
+}
+
+void run_lerp_call(const std::vector<DevicePlan>& plans, const LerpWeight& weight,
+                   const StochasticRounding* rounding) {
+  if (rounding == nullptr) {
+    run_plans(plans, weight);
+    return;
+  }
+  RECORD_FUNCTION("fused_ema::lerp_stochastic_", std::vector<c10::IValue>());
+  for (const DevicePlan& plan : plans) {
+    stochastic_runners()[static_cast<size_t>(plan.device.type())](plan, weight, *rounding);
+  }
+}
+
 void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,
                      const at::Tensor& step, int64_t seed, c10::ArrayRef<int64_t> keys,
                      c10::ArrayRef<int64_t> offsets) {
-  RECORD_FUNCTION("fused_ema::lerp_stochastic_", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
                     src.size());
   const LerpWeight w = checked_weight(weight);
-  const StochasticRounding rounding = rounding_args(ema.size(), step, seed, keys, offsets);
-  for (size_t i = 0; i < ema.size(); ++i) {
-    TORCH_CHECK_VALUE(ema[i]->defined(), kOp, "ema[", i, "] is an undefined tensor");
-    TORCH_CHECK_VALUE(offsets[i] <= INT64_MAX - ema[i]->numel(), kStochasticOp, "offsets[", i,
-                      "] + ema[", i, "].numel() overflows int64");
-  }
-  // Every device is checked before anything is written (or a version moves).
-  const std::vector<DevicePlan> plans =
-      plan_lerp(ema, src, /*row_major=*/true, [&](const DevicePlan& plan) {
-        check_runner(stochastic_runners()[static_cast<size_t>(plan.device.type())], plan, w,
-                     kStochasticOp);
-        TORCH_CHECK(
-            rounding.step_tensor == nullptr || rounding.step_tensor->device() == plan.device,
-            kStochasticOp, "step is on ", step.device(), " but ema tensors are on ", plan.device,
-            "; pass the step on the EMA's device, on the CPU, or as an int");
-      });
-  for (const DevicePlan& plan : plans) {
-    stochastic_runners()[static_cast<size_t>(plan.device.type())](plan, w, rounding);
-  }
+  const StochasticRounding rounding = checked_rounding(ema.size(), step, seed, keys, offsets);
+  run_lerp_call(plan_lerp_call(ema, src, w, &rounding), w, &rounding);
 }
 
 void lerp_stochastic_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight,

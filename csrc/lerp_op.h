@@ -70,6 +70,17 @@ using StochasticRunner = void (*)(const DevicePlan& plan, const LerpWeight& weig
 
 bool register_stochastic_runner(c10::DeviceType type, StochasticRunner runner);
 
+// lerp_stochastic_'s step, seed, keys and offsets checked for `count` tensors (a CPU step read).
+StochasticRounding checked_rounding(size_t count, const at::Tensor& step, int64_t seed,
+                                    c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets);
+
+// lerp_ (rounding null) or lerp_stochastic_ in its two halves: every check and the plans, then the
+// runs. A prepared update (prepared_update.h) keeps the plans and runs them again.
+std::vector<DevicePlan> plan_lerp_call(TensorRefs ema, TensorRefs src, const LerpWeight& weight,
+                                       const StochasticRounding* rounding);
+void run_lerp_call(const std::vector<DevicePlan>& plans, const LerpWeight& weight,
+                   const StochasticRounding* rounding);
+
 // lerp_ with bfloat16/float16 EMAs rounded stochastically: keys and offsets hold one entry per
 // tensor (its key, and the index of its first element in the full tensor).
 void lerp_stochastic(TensorRefs ema, TensorRefs src, const at::Tensor& weight,

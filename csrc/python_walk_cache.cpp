@@ -174,6 +174,20 @@ class WalkCache {
 
   size_t items() const { return items_.size(); }
 
+  // Whether no dict the walk read has changed and no buffer changed its persistence: then `model`
+  // holds the same tensor objects under the same names (their metadata is the caller's to check).
+  bool fresh(PyObject* model) const {
+    if (changed_ || model != root_) {
+      return false;
+    }
+    for (const Persistence& p : persistence_) {
+      if (!same_persistence(p)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
  private:
   // A module's buffers and which of them its _non_persistent_buffers_set names (sets have no
   // watchers: membership is tested again at every check).
@@ -313,6 +327,16 @@ PyObject* python_walk_cache(PyObject* /*module*/, PyObject* const* args, Py_ssiz
 #endif
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
+}
+
+bool walk_cache_fresh(PyObject* cache, PyObject* model) {
+#if FUSED_EMA_WALK_CACHE
+  const auto* walk = static_cast<WalkCache*>(PyCapsule_GetPointer(cache, kCapsule));
+  return walk != nullptr && walk->fresh(model);
+#else
+  PyErr_SetString(PyExc_RuntimeError, "walk_cache_fresh: no walk cache on this Python (3.12+)");
+  return false;
+#endif
 }
 
 PyObject* python_walk_unchanged(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {

@@ -60,8 +60,6 @@ Schedule check_schedule_config(const double* config) {
   return schedule_from_config(config);
 }
 
-namespace {
-
 void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
                       bool advance) {
   check_schedule_tensors(step, out, config);
@@ -75,8 +73,6 @@ void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::T
   o[0] = w.weight;
   o[1] = w.decay;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ema, CPU, m) { m.impl("ema_schedule_", &ema_schedule_cpu); }
 

@@ -11,6 +11,10 @@ namespace fused_ema {
 void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
                             const at::Tensor& config);
 
+// The CPU kernel (a prepared update calls it directly; other devices go through the dispatcher).
+void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
+                      bool advance);
+
 // Every field of a host config against the contract; a ValueError names the first bad one.
 Schedule check_schedule_config(const double* config);
 

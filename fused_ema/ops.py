@@ -19,8 +19,6 @@ from ._ext.op_meta import SUPPORTED_DTYPE_PAIRS as SUPPORTED_DTYPE_PAIRS  # publ
 from ._ext.op_meta import weight_type_error as _weight_type_error
 from ._version import __version__
 
-_is_compiling = torch.compiler.is_compiling
-
 Weight = float | torch.Tensor
 
 
@@ -39,11 +37,6 @@ def lerp_(
     """
     ema = _tensor_list(ema_tensors, "ema_tensors")
     src = _tensor_list(src_tensors, "src_tensors")
-    # Eager calls on plain tensors skip the dispatcher's per-tensor boxing (same C++ driver, same
-    # checks); anything the dispatcher must see (compile, modes, subclasses) or that _lerp_eager
-    # declines (unequal lengths, a weight of another type) takes the checks and torch.ops below.
-    if not _is_compiling() and _C._lerp_eager(ema, src, weight):
-        return
     if len(ema) != len(src):
         raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
     # Numbers go to C++ as they are: it refuses a bool (and a non-finite weight) on every route.
@@ -146,9 +139,6 @@ def lerp_many_(
     if seed is None:
         if step is not None or keys is not None or offsets is not None:
             raise TypeError(f"{_MANY_OP}step, keys and offsets go with seed (stochastic rounding)")
-        # As lerp_: plain tensors skip the dispatcher's boxing, K * N + N tensors of it here.
-        if not _is_compiling() and _C._lerp_many_eager(tracks, src, weights):
-            return
     else:
         step = _stochastic_step(step, _MANY_OP)
         seeds = _track_seeds(seed, len(tracks))
@@ -267,9 +257,6 @@ def bema_(
         if len(tensors) != len(src):
             raise ValueError(f"{_BEMA_OP}{name} has {len(tensors)} tensors but src has {len(src)}")
     weights = _bema_weights(weights)
-    # As lerp_: plain tensors skip the dispatcher's boxing (same C++ driver, same checks).
-    if not _is_compiling() and _C._bema_eager(*lists, src, weights):
-        return
     if any(any_dtensor(tensors) for tensors in lists) or any_dtensor(src):
         shards = [shard_lists(tensors, src) for tensors in lists]
         lists, src = [tensors for tensors, _ in shards], shards[0][1]

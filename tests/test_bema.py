@@ -9,7 +9,7 @@ import pytest
 import torch
 from bema_reference import PaperBema
 from torch import nn
-from track_helpers import net, train
+from track_helpers import fused_passes, net, train
 
 import fused_ema
 from conftest import DEVICES
@@ -86,28 +86,12 @@ def test_the_trainers_step_decides_as_in_trl():
     assert bema.factors(120) == pytest.approx(((10 + 120) ** -0.5, (10 + 120) ** -0.2))
 
 
-def test_one_fused_pass_per_update(monkeypatch):
-    """The three tracks update through one bema_ call per device, not one lerp_ per track."""
-    import fused_ema._update.plan as plan
-
+def test_one_fused_pass_per_update():
+    """The three tracks update through one bema_ pass per device, not one lerp_ per track."""
     model = net()
     bema = Bema(model, update_freq=1)
-    calls = []
-    real_bema, real_lerp = plan.bema_, plan.lerp_
-
-    def fused(ema, theta0, out, src, weights):
-        calls.append((len(ema), len(theta0), len(out), len(src)))
-        return real_bema(ema, theta0, out, src, weights)
-
-    def lerp(*args, **kw):
-        calls.append(("lerp",))
-        return real_lerp(*args, **kw)
-
-    monkeypatch.setattr(plan, "bema_", fused)
-    monkeypatch.setattr(plan, "lerp_", lerp)
-    train(model, 3, lambda t: bema.update(model))
-    n = sum(1 for v in model.state_dict().values() if v.is_floating_point())
-    assert calls == [(n, n, n, n)] * 3
+    passes = fused_passes(lambda: train(model, 3, lambda t: bema.update(model)))
+    assert passes == ["bema_"] * 3
 
 
 def test_swapped_module_and_copy_to_give_the_corrected_weights():

@@ -497,6 +497,7 @@ def test_bad_arguments(kwargs, match):
 @pytest.mark.parametrize("step", [None, 7])
 def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
     import fused_ema._update.plan as plan_module
+    import fused_ema._update.prepared as prepared_module
 
     model = small_mlp()
     ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)
@@ -507,7 +508,9 @@ def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
+    # The fused call of either form of an update: a prepared one's single call, or lerp_.
     monkeypatch.setattr(plan_module, "lerp_", broken)
+    monkeypatch.setattr(prepared_module.Prepared, "run", broken)
     with pytest.raises(RuntimeError, match="kernel exploded"):
         ema.update(model, step=step)
     assert ema.step == 1 and ema.current_decay == decay_before

@@ -7,6 +7,7 @@ import gc
 import math
 import pickle
 import signal
+import sys
 import threading
 import weakref
 
@@ -516,7 +517,11 @@ GRAD_MODE_CALLS = {
     "full_state_dict": lambda ema, model: ema.full_state_dict(),
     "stats": lambda ema, model: ema.stats(model),
 }
-GRAD_MODE_KEPT_ON = {"state_dict"}  # calls that never switch autograd off
+# Calls that never switch autograd off in Python: state_dict, and on Python 3.12+ (where the walk
+# cache vouches for an unchanged model) a prepared update's steady state, one call into the
+# extension that switches it off and back inside.
+ONE_CALL = {"update", "update(step=)"} if sys.version_info >= (3, 12) else set()
+GRAD_MODE_KEPT_ON = {"state_dict"} | ONE_CALL
 # The calls of issue 19 (a SIGALRM in update left autograd off), also with grad mode off, which
 # they must leave off (not switch back on).
 INTERRUPTED_CALLS = [

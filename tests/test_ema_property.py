@@ -8,9 +8,9 @@ ema.current_decay. A call that raises must leave the EMA bit-identical to before
 
 The reference is written from the documented contract only (README, csrc/schedule_formula.h): its
 own schedule, its own lerp in float64 and its own name bookkeeping (identity first, then same name
-and shape). fused_ema is only driven through its public API; the one internal it touches is the
-module attribute fused_ema._update.plan.lerp_, wrapped to inject a KeyboardInterrupt before or
-after the real kernel call.
+and shape). fused_ema is only driven through its public API; the internals it touches are the
+fused call of either form of an update (fused_ema._update.plan.lerp_, and Prepared.run: a
+prepared update's one call), wrapped to inject a KeyboardInterrupt before or after the real call.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import nn
 
 import fused_ema
 import fused_ema._update.plan as plan_module
+import fused_ema._update.prepared as prepared_module
 
 WIDTH = 4
 MAX_LAYERS = 6
@@ -425,7 +426,7 @@ class EmaMachine(RuleBasedStateMachine):
         new_step = self.step + 1 if step is None else step
         before, ref_before = self.snapshot(), copy.copy(self.entries)
         saved_values = [(e, e.value, e._obj) for e in self.entries]
-        real, calls = plan_module.lerp_, []
+        real, real_run, calls = plan_module.lerp_, prepared_module.Prepared.run, []
 
         def interrupting(*args, **kwargs):
             calls.append(when)
@@ -433,8 +434,16 @@ class EmaMachine(RuleBasedStateMachine):
                 real(*args, **kwargs)
             raise KeyboardInterrupt
 
+        def interrupting_run(*args, **kwargs):
+            calls.append(when)
+            if when == "after" and not real_run(*args, **kwargs):
+                calls.pop()  # it declined, having done nothing: the full update follows
+                return False
+            raise KeyboardInterrupt
+
         interrupted = False
         plan_module.lerp_ = interrupting
+        prepared_module.Prepared.run = interrupting_run
         try:
             self.ema.update(self.model, step=step)
         except KeyboardInterrupt:
@@ -445,6 +454,7 @@ class EmaMachine(RuleBasedStateMachine):
             return
         finally:
             plan_module.lerp_ = real
+            prepared_module.Prepared.run = real_run
         assert interrupted == bool(calls)
         if self.ema.step == new_step:
             happened = self.expect_update(step)
@@ -783,16 +793,18 @@ def test_interrupted_update_in_resync_mode_changes_nothing():
     ema = fused_ema.ModelEma(model, decay=0.5, on_mismatch="resync")
     names = ema.names()
     del model[1]
-    real = plan_module.lerp_
+    real, real_run = plan_module.lerp_, prepared_module.Prepared.run
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # before the kernel writes anything
 
     plan_module.lerp_ = interrupted
+    prepared_module.Prepared.run = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
             ema.update(model)
     finally:
         plan_module.lerp_ = real
+        prepared_module.Prepared.run = real_run
     assert ema.step == 0  # rolled back: the update did not happen...
     assert ema.names() == names  # ...so the EMA must still be as it was (fails: resynced)

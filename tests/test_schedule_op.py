@@ -403,8 +403,8 @@ def test_cuda_invalid_config_writes_no_update():
 
 @pytest.mark.parametrize("kind", ["advance", "int", "tensor", "cpu tensor"])
 def test_schedule_begin_saves_marks_and_moves_the_counter(device, kind):
-    # _C.schedule_begin is Schedule.begin in one C++ call: _saved <- step, _dirty, then the counter
-    # set or advanced and the weight of that step computed, as the reference formula says.
+    # Schedule.begin: _saved <- step, _dirty, then the counter set or advanced and the weight of
+    # that step computed, as the reference formula says.
     from fused_ema._update.schedule import Schedule, check_options
 
     rng = random.Random()
@@ -428,11 +428,3 @@ def test_schedule_begin_saves_marks_and_moves_the_counter(device, kind):
     schedule.rollback()
     assert int(schedule.step) == current and schedule._dirty is False
     assert_out(schedule.out, reference(config, current), f"rolled back to {current}")
-
-
-def test_schedule_begin_refuses_a_schedule_without_tensors():
-    class NotASchedule:
-        step = _saved = out = config = 3
-
-    with pytest.raises(TypeError, match="schedule.step is not a tensor"):
-        _C.schedule_begin(NotASchedule(), None)

@@ -65,12 +65,13 @@ def test_an_interrupt_anywhere_in_a_joined_update_is_all_or_nothing_across_track
 
     update = lambda: tracked.update(model, non_blocking=non_blocking)  # noqa: E731
     fired = interrupted_updates(update, model, went_through, seed=12, point=point)
-    assert len(fired) > 50, len(fired)
+    assert len(fired) > 20, len(fired)
 
 
 @pytest.mark.parametrize("kind, fused", [("posthoc", "lerp_many_"), ("bema", "bema_")])
 def test_an_interrupt_before_the_fused_write_leaves_every_track_as_it_was(kind, fused, monkeypatch):
     import fused_ema._update.plan as plan
+    import fused_ema._update.prepared as prepared
 
     model, tracked = model_and_tracked(kind)
     before = tracks_of(tracked)
@@ -79,6 +80,7 @@ def test_an_interrupt_before_the_fused_write_leaves_every_track_as_it_was(kind, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(plan, fused, interrupted)
+    monkeypatch.setattr(prepared.Prepared, "run", interrupted)  # a prepared update's one call
     with torch.no_grad():
         model[0].weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):

@@ -29,8 +29,10 @@ def test_an_update_interrupted_before_its_commit_is_not_rolled_back_later(monkey
     monkeypatch.setattr(Schedule, "commit", interrupted_commit)
     with torch.no_grad():
         model.weight.add_(1.0)
+    # A step tensor: the update that begins and commits a step in Python (a prepared update's
+    # steady state, one call with an int step or none, has no such window).
     with pytest.raises(KeyboardInterrupt):
-        ema.update(model)
+        ema.update(model, step=torch.tensor(3))
     landed = ema.state_dict()["weights"]["weight"].clone()
     assert ema.step == 3  # the update itself landed whole
     model.extra = nn.Linear(2, 2)

@@ -24,3 +24,15 @@ def train(model, steps, on_step, seed=1, device="cpu", first=1):
         loss.backward()
         opt.step()
         on_step(t)
+
+
+FUSED_OPS = ("lerp_", "lerp_stochastic_", "lerp_many_", "lerp_many_stochastic_", "bema_")
+
+
+def fused_passes(fn) -> list:
+    """The passes of the fused ops that fn() makes, in order, by the names their drivers give the
+    profiler (fused_ema::bema_, ...): a prepared update runs them with no Python call to spy on."""
+    names = {f"fused_ema::{op}" for op in FUSED_OPS}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name.split("::")[1] for e in prof.events() if e.name in names]

@@ -272,9 +272,19 @@ class Schedule:
         """Sets (`step` given) or advances the counter and computes this step's weight. A device
         step tensor out of [0, MAX_STEP] cannot be refused without a sync: it makes the update
         a no-op (weight 0)."""
-        # In C++ (csrc/python_schedule.cpp): _saved <- step; _dirty = True; then the counter
-        # moves. Nothing can interrupt it between the three.
-        _C.schedule_begin(self, step)
+        # Saved, marked, then moved: an interrupt between any two leaves rollback() right.
+        self._saved.copy_(self.step)
+        self._dirty = True
+        if step is None:
+            self._compute(advance=True)
+            return
+        if not isinstance(step, torch.Tensor):
+            self.step.fill_(step)
+        elif step.is_cpu and not self.step.is_cpu:
+            self.step.fill_(step.reshape(()).item())  # a CPU value for a device counter: no sync
+        else:
+            self.step.copy_(step.reshape(()))
+        self._compute(advance=False)
 
     def commit(self) -> None:
         self._dirty = False

@@ -16,9 +16,16 @@ from .._ext.grad import without_grad
 from .._ext.loader import _C
 from .._model.swap import Swap, check_writable
 from .._model.walk import tensor_walk
+from . import prepared as prep
 from .nonblocking import AsyncRunner
 
 walk_agrees = _C.walk_agrees
+
+
+def _dispatch_modes() -> bool:
+    """Whether a torch function or dispatch mode is active: it must see the fused ops, which a
+    prepared update runs without the dispatcher."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
 
 
 class JointWeights:
@@ -54,6 +61,7 @@ class Updater:
         self.leader = None
         self.ema_ref = None  # a follower's ModelEma (weakly: it owns this updater)
         self.lock = threading.RLock()  # one update at a time (see update)
+        self.prepared = None  # the plan of the latest blocking update, prepared (prepared.py)
 
     def follow(self, leader, ema, joint: str = "lerp_many") -> None:
         """Makes `ema` (this updater's ModelEma) one of the EMAs `leader` updates, the way
@@ -106,11 +114,51 @@ class Updater:
                 "call the PostHocEma's update()"
             )
         step = self.schedule.check_step(step)
+        if not non_blocking and values is None and self._run_prepared(model, step):
+            return
         walk, names = self.binding.walk(model, non_blocking)
         if names is None and any(not f.binding.vouches(non_blocking) for f in self.followers):
             walk, names = _C.tensor_walk(model, self.binding.with_buffers, True)  # to plan with
         if without_grad(self._update, ema, model, walk, names, step, non_blocking, values):
             self._commit()
+
+    def _schedules(self) -> list:
+        return [self.schedule] + [f.schedule for f in self.followers]
+
+    def _plans(self) -> tuple:
+        return (self.binding.plan, *(f.binding.plan for f in self.followers))
+
+    def _run_prepared(self, model, step) -> bool:
+        """The steady state: one call runs the update prepared for the current plan, when the
+        walk cache (3.12+) vouches that `model` is unchanged. False when it cannot: then nothing
+        has changed and the full update runs."""
+        prepared = self.prepared
+        if prepared is None or isinstance(step, torch.Tensor) or _dispatch_modes():
+            return False
+        plan = self.binding.plan
+        cache = None if plan is None else plan._walk_cache
+        schedules = self._schedules()
+        if cache is None or not prepared.current(self._plans(), schedules):
+            return False
+        for schedule in schedules:
+            schedule.commit()  # a step an interrupted update left begun is final
+            schedule.note_capture()
+        mode, value = (prep.ADVANCE, 0) if step is None else (prep.SET, step)
+        return prepared.run(cache, model, mode, value, False)
+
+    def _prepared_for(self, plan, walk: list):
+        """The prepared form of `plan` for a blocking update, or None where it has none."""
+        if _dispatch_modes():
+            return None
+        schedules, plans = self._schedules(), self._plans()
+        prepared = self.prepared
+        if prepared is not None and prepared.current(plans, schedules):
+            return prepared
+        self.prepared = None
+        if not prep.preparable(plan, schedules, walk):
+            return None
+        self.prepared = prep.Prepared(plan, plans, schedules, walk)
+        return self.prepared
 
     def _update(self, ema, model, walk, names, step, non_blocking: bool, values) -> bool:
         """update() with autograd off; False when the worker finishes it (synchronize() then
@@ -120,7 +168,7 @@ class Updater:
             # A step begun by an update that landed whole but was interrupted before it could
             # commit: it is final, and this update must not roll it back if it fails.
             schedule.commit()
-        plan, undos = None, []
+        plan, undos, wrote = None, [], lambda: False
         try:
             plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, self.schedule)
             undos.append(undo)
@@ -141,17 +189,25 @@ class Updater:
             for schedule in schedules:
                 schedule.begin(step)
                 schedule.note_capture()
-            weights = joint_weights(schedules)
-            if non_blocking:
-                if plan.start(walk, weights, self.runner):
+            prepared = (
+                None if non_blocking or values is not None else self._prepared_for(plan, walk)
+            )
+            if prepared is not None:
+                # One call, all or nothing: its count of runs tells which, whatever interrupts
+                # it. The counters were moved by begin() above: the run keeps them.
+                runs = prepared.runs()
+                wrote = lambda: prepared.runs() != runs  # noqa: E731
+                prepared.run(None, None, prep.KEEP, 0, True)
+            elif non_blocking:
+                if plan.start(walk, joint_weights(schedules), self.runner):
                     self.pending_plan = plan
                     return False
             else:
-                plan.run(walk, weights, values)
+                plan.run(walk, joint_weights(schedules), values)
         except BaseException:
             if self.runner.busy:
                 self.runner.settle(plan.started)  # a job this call prepared: finished or dropped
-            if plan is not None and plan.started():
+            if wrote() or (plan is not None and plan.started()):
                 self._commit()  # it wrote, so it finished: only the error propagates
             else:
                 for schedule in schedules:

@@ -1,0 +1,476 @@
+// The prepared update (prepared_update.h): its ops, which hand it the tensors once through the
+// dispatcher, and fused_ema._C.run_prepared / prepared_free, which run and free it by handle with
+// no tensor crossing from Python. Planning goes through each op's own driver (its checks and
+// errors); a run reuses the plans while every tensor keeps its data, size, dtype and device.
+#include "prepared_update.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <Python.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "bema_op.h"
+#include "lerp_many.h"
+#include "lerp_op.h"
+#include "schedule.h"
+
+namespace fused_ema {
+
+bool walk_cache_fresh(PyObject* cache, PyObject* model);  // python_walk_cache.cpp
+
+namespace {
+
+constexpr const char* kOp = "fused_ema.prepared_update: ";
+
+// Tensors ahead whose TensorImpl, then storage, are prefetched by unchanged(): after an update of
+// a large model its metadata has left the cache.
+constexpr size_t kImplAhead = 16;
+constexpr size_t kStorageAhead = 8;
+// Tensors from which the check is split between threads (fewer are still in the L2 cache).
+constexpr int64_t kParallelCheckFrom = 4096;
+
+TensorState state_of(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  TensorState state;
+  state.numel = impl->numel();
+  if (impl->has_storage() && impl->storage().data() != nullptr) {
+    state.data = static_cast<const char*>(impl->storage().data()) +
+                 impl->storage_offset() * static_cast<int64_t>(impl->itemsize());
+  }
+  const c10::Device device = impl->device();
+  uint64_t layout = static_cast<uint64_t>(c10::typeMetaToScalarType(impl->dtype())) |
+                    static_cast<uint64_t>(device.type()) << 8 |
+                    static_cast<uint64_t>(static_cast<uint8_t>(device.index())) << 16 |
+                    static_cast<uint64_t>(impl->is_contiguous()) << 24;
+  for (const int64_t size : impl->sizes()) {
+    layout = (layout ^ static_cast<uint64_t>(size)) * 0x100000001b3ULL;  // FNV-1a's prime
+  }
+  state.layout = layout;
+  return state;
+}
+
+std::vector<const at::Tensor*> refs(const std::vector<at::Tensor>& tensors, size_t begin = 0,
+                                    size_t count = SIZE_MAX) {
+  const size_t end = count == SIZE_MAX ? tensors.size() : begin + count;
+  std::vector<const at::Tensor*> out;
+  out.reserve(end - begin);
+  for (size_t i = begin; i < end; ++i) {
+    out.push_back(&tensors[i]);
+  }
+  return out;
+}
+
+size_t tracks_of(const PreparedCall& call) {
+  return call.src.empty() ? 0 : call.emas.size() / call.src.size();
+}
+
+void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
+                  bool advance) {
+  if (step.is_cpu()) {
+    ema_schedule_cpu(step, out, config, advance);
+    return;
+  }
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fused_ema::ema_schedule_", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+  op.call(step, out, config, advance);
+}
+
+}  // namespace
+
+PreparedUpdate::PreparedUpdate(std::vector<at::Tensor> schedules)
+    : schedules_(std::move(schedules)) {
+  TORCH_CHECK_VALUE(schedules_.size() % 3 == 0, kOp,
+                    "schedules holds (step, out, config) triples, got ", schedules_.size(),
+                    " tensors");
+  for (size_t s = 0; s < schedules_.size(); s += 3) {
+    check_schedule_tensors(schedules_[s], schedules_[s + 1], schedules_[s + 2]);
+  }
+}
+
+void PreparedUpdate::add_call(PreparedCall call) {
+  const size_t tracks = tracks_of(call);
+  TORCH_CHECK_VALUE(call.emas.size() == tracks * call.src.size(), kOp, "emas has ",
+                    call.emas.size(), " tensors, not a multiple of the ", call.src.size(),
+                    " sources");
+  for (const int64_t s : call.joint) {
+    TORCH_CHECK_VALUE(s >= 0 && static_cast<size_t>(s) < schedules_.size() / 3, kOp,
+                      "joint names schedule ", s, " of ", schedules_.size() / 3);
+  }
+  for (const at::Tensor& t : call.emas) {
+    written_.push_back(t.unsafeGetTensorImpl());
+  }
+  calls_.push_back(std::move(call));
+  reusable_ = false;
+}
+
+void PreparedUpdate::add_copies(std::vector<at::Tensor> dst, std::vector<at::Tensor> src) {
+  TORCH_CHECK_VALUE(dst.size() == src.size(), kOp, "copies: ", dst.size(), " targets but ",
+                    src.size(), " sources");
+  for (size_t i = 0; i < dst.size(); ++i) {
+    TORCH_CHECK_VALUE(dst[i].defined() && src[i].defined(), kOp, "copies: tensor ", i,
+                      " is undefined");
+    copy_dst_.push_back(std::move(dst[i]));
+    copy_src_.push_back(std::move(src[i]));
+  }
+  reusable_ = false;
+}
+
+bool PreparedUpdate::unchanged() const {
+  const size_t n = watched_.size();
+  if (!reusable_ || states_.size() != n) {
+    return false;
+  }
+  // Each tensor's check waits on two cache misses (its TensorImpl, then its storage): threads
+  // split a long list so that their misses overlap.
+  std::atomic<bool> same{true};
+  const auto check = [&](int64_t begin, int64_t end) {
+    const auto stop = static_cast<size_t>(end);
+    for (auto i = static_cast<size_t>(begin); i < stop; ++i) {
+      if (i + kImplAhead < stop) {
+        prefetch_tensor_impl(watched_[i + kImplAhead]->unsafeGetTensorImpl());
+      }
+      if (i + kStorageAhead < stop) {
+        const c10::TensorImpl* impl = watched_[i + kStorageAhead]->unsafeGetTensorImpl();
+        if (impl->has_storage()) {
+          __builtin_prefetch(impl->storage().unsafeGetStorageImpl());
+        }
+      }
+      if (!(state_of(*watched_[i]) == states_[i])) {
+        same.store(false, std::memory_order_relaxed);
+        return;
+      }
+    }
+  };
+  const auto count = static_cast<int64_t>(n);
+  if (count < kParallelCheckFrom) {
+    check(0, count);
+  } else {
+    at::parallel_for(0, count, kParallelCheckFrom / 2, check);
+  }
+  return same.load();
+}
+
+void PreparedUpdate::plan() {
+  reusable_ = false;
+  states_.clear();
+  watched_.clear();
+  bool reusable = true;
+  for (PreparedCall& call : calls_) {
+    call.plans.clear();
+    const auto emas = refs(call.emas);
+    const auto src = refs(call.src);
+    const size_t n = src.size();
+    switch (call.kind) {
+      case FusedKind::kLerp:
+        call.plans = plan_lerp_call(emas, src, checked_weight(call.weights), nullptr);
+        break;
+      case FusedKind::kLerpStochastic: {
+        const StochasticRounding r =
+            checked_rounding(n, call.step, call.seeds.at(0), call.keys, call.offsets);
+        call.plans = plan_lerp_call(emas, src, checked_weight(call.weights), &r);
+        break;
+      }
+      case FusedKind::kLerpMany:
+        call.plans = plan_tracks_call(
+            emas, src, checked_track_weights(call.weights, tracks_of(call)), nullptr);
+        break;
+      case FusedKind::kLerpManyStochastic: {
+        const TrackRounding r = checked_track_rounding(tracks_of(call), src, call.step, call.seeds,
+                                                       call.keys, call.offsets);
+        call.plans =
+            plan_tracks_call(emas, src, checked_track_weights(call.weights, tracks_of(call)), &r);
+        break;
+      }
+      case FusedKind::kBema:
+        TORCH_CHECK_VALUE(tracks_of(call) == 3, kOp, "bema_ takes ema, theta0 and out");
+        call.plans =
+            plan_bema_call(refs(call.emas, 0, n), refs(call.emas, n, n), refs(call.emas, 2 * n, n),
+                           src, checked_bema_weights(call.weights));
+        break;
+    }
+    for (const DevicePlan& p : call.plans) {
+      reusable &= p.stand_ins.empty() && p.write_backs.empty();
+    }
+    for (const at::Tensor& t : call.emas) {
+      watched_.push_back(&t);
+    }
+    for (const at::Tensor& t : call.src) {
+      watched_.push_back(&t);
+    }
+  }
+  for (size_t i = 0; i < copy_dst_.size(); ++i) {
+    TORCH_CHECK_VALUE(copy_dst_[i].sizes() == copy_src_[i].sizes(), kOp, "copies: source ", i,
+                      " has shape ", copy_src_[i].sizes(), " but its target has ",
+                      copy_dst_[i].sizes());
+    watched_.push_back(&copy_dst_[i]);
+    watched_.push_back(&copy_src_[i]);
+  }
+  if (reusable) {  // stand-ins hold copies of the values they were planned with
+    states_.reserve(watched_.size());
+    for (const at::Tensor* t : watched_) {
+      states_.push_back(state_of(*t));
+    }
+    reusable_ = true;
+  }
+}
+
+void PreparedUpdate::advance(StepMode mode, int64_t step) {
+  if (mode == StepMode::kKeep) {
+    return;
+  }
+  for (size_t s = 0; s < schedules_.size(); s += 3) {
+    const at::Tensor& counter = schedules_[s];
+    if (mode == StepMode::kSet) {
+      if (counter.is_cpu()) {
+        *counter.mutable_data_ptr<int64_t>() = step;
+      } else {
+        counter.fill_(step);
+      }
+    }
+    run_schedule(counter, schedules_[s + 1], schedules_[s + 2], mode == StepMode::kAdvance);
+  }
+}
+
+void PreparedUpdate::run_call(const PreparedCall& call) {
+  // The joint weights: each schedule's weight, just computed, in its slot.
+  for (size_t k = 0; k < call.joint.size(); ++k) {
+    const at::Tensor& out = schedules_[3 * static_cast<size_t>(call.joint[k]) + 1];
+    if (call.weights.is_cpu() && out.is_cpu() && call.weights.scalar_type() == at::kDouble) {
+      call.weights.mutable_data_ptr<double>()[k] = *out.const_data_ptr<double>();
+    } else {
+      call.weights.narrow(0, static_cast<int64_t>(k), 1).copy_(out.narrow(0, 0, 1));
+    }
+  }
+  const size_t n = call.src.size();
+  switch (call.kind) {
+    case FusedKind::kLerp:
+      run_lerp_call(call.plans, checked_weight(call.weights), nullptr);
+      break;
+    case FusedKind::kLerpStochastic: {
+      const StochasticRounding r =
+          checked_rounding(n, call.step, call.seeds.at(0), call.keys, call.offsets);
+      run_lerp_call(call.plans, checked_weight(call.weights), &r);
+      break;
+    }
+    case FusedKind::kLerpMany:
+      run_tracks_call(call.plans, n, checked_track_weights(call.weights, tracks_of(call)), nullptr);
+      break;
+    case FusedKind::kLerpManyStochastic: {
+      const TrackRounding r = checked_track_rounding(tracks_of(call), refs(call.src), call.step,
+                                                     call.seeds, call.keys, call.offsets);
+      run_tracks_call(call.plans, n, checked_track_weights(call.weights, tracks_of(call)), &r);
+      break;
+    }
+    case FusedKind::kBema:
+      run_bema_call(call.plans, n, checked_bema_weights(call.weights));
+      break;
+  }
+}
+
+bool PreparedUpdate::run(StepMode mode, int64_t step, bool replan) {
+  const c10::AutoGradMode no_grad(false);
+  if (unchanged()) {
+    // As the planner does for the calls it plans, while the check has their metadata in cache.
+    for (c10::TensorImpl* impl : written_) {
+      impl->bump_version();
+    }
+  } else if (replan) {
+    plan();  // every op's checks: a refusal throws here, before anything is written
+  } else {
+    return false;
+  }
+  advance(mode, step);
+  for (const PreparedCall& call : calls_) {
+    run_call(call);
+  }
+  for (size_t i = 0; i < copy_dst_.size(); ++i) {
+    at::Tensor& dst = copy_dst_[i];
+    const at::Tensor& src = copy_src_[i];
+    // A CPU buffer of the same dtype (num_batches_tracked) is a memcpy: copy_ costs microseconds.
+    if (dst.is_cpu() && src.is_cpu() && dst.scalar_type() == src.scalar_type() &&
+        dst.is_contiguous() && src.is_contiguous()) {
+      std::memcpy(dst.mutable_data_ptr(), src.const_data_ptr(), dst.nbytes());
+      dst.unsafeGetTensorImpl()->bump_version();
+    } else {
+      dst.copy_(src);
+    }
+  }
+  ++runs_;
+  return true;
+}
+
+// ------------------------------------------------------------------ handles
+
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, std::shared_ptr<PreparedUpdate>> items;
+  int64_t next = 1;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: handles may be freed at exit
+  return *r;
+}
+
+int64_t prepared_new(at::TensorList schedules) {
+  auto prepared = std::make_shared<PreparedUpdate>(schedules.vec());
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const int64_t handle = r.next++;
+  r.items.emplace(handle, std::move(prepared));
+  return handle;
+}
+
+std::shared_ptr<PreparedUpdate> found(int64_t handle) {
+  std::shared_ptr<PreparedUpdate> prepared = find_prepared(handle);
+  TORCH_CHECK_VALUE(prepared != nullptr, kOp, "no prepared update ", handle);
+  return prepared;
+}
+
+void prepared_add_call(int64_t handle, int64_t kind, at::TensorList emas, at::TensorList src,
+                       const at::Tensor& weights, at::IntArrayRef joint,
+                       const std::optional<at::Tensor>& step, at::IntArrayRef seeds,
+                       at::IntArrayRef keys, at::IntArrayRef offsets) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= static_cast<int64_t>(FusedKind::kBema), kOp,
+                    "unknown kind ", kind);
+  PreparedCall call;
+  call.kind = static_cast<FusedKind>(kind);
+  call.emas = emas.vec();
+  call.src = src.vec();
+  call.weights = weights;
+  call.joint = joint.vec();
+  const bool stochastic =
+      call.kind == FusedKind::kLerpStochastic || call.kind == FusedKind::kLerpManyStochastic;
+  TORCH_CHECK_VALUE(step.has_value() == stochastic, kOp, "a step goes with the stochastic kinds");
+  if (step.has_value()) {
+    call.step = *step;
+  }
+  call.seeds = seeds.vec();
+  call.keys = keys.vec();
+  call.offsets = offsets.vec();
+  found(handle)->add_call(std::move(call));
+}
+
+void prepared_add_copies(int64_t handle, at::TensorList dst, at::TensorList src) {
+  found(handle)->add_copies(dst.vec(), src.vec());
+}
+
+// Sets the Python error of a C++ exception: ValueError, TypeError, IndexError, NotImplementedError
+// or RuntimeError, as torch's own bindings map them, with the message and no C++ backtrace.
+void set_python_error(const std::exception& err) {
+  PyObject* type = PyExc_RuntimeError;
+  const char* message = err.what();
+  if (const auto* e = dynamic_cast<const c10::Error*>(&err)) {
+    message = e->what_without_backtrace();
+    if (dynamic_cast<const c10::ValueError*>(&err) != nullptr) {
+      type = PyExc_ValueError;
+    } else if (dynamic_cast<const c10::TypeError*>(&err) != nullptr) {
+      type = PyExc_TypeError;
+    } else if (dynamic_cast<const c10::IndexError*>(&err) != nullptr) {
+      type = PyExc_IndexError;
+    } else if (dynamic_cast<const c10::NotImplementedError*>(&err) != nullptr) {
+      type = PyExc_NotImplementedError;
+    }
+  }
+  PyErr_SetString(type, message);
+}
+
+}  // namespace
+
+std::shared_ptr<PreparedUpdate> find_prepared(int64_t handle) {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.items.find(handle);
+  return it == r.items.end() ? nullptr : it->second;
+}
+
+// run_prepared(handle, cache, model, mode, step, replan) -> bool: with a walk cache (3.12+), first
+// whether `model` is unchanged since it was made (else False); then PreparedUpdate::run with the
+// GIL released.
+PyObject* python_run_prepared(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError,
+                    "run_prepared(handle, cache, model, mode: int, step: int, replan: bool)");
+    return nullptr;
+  }
+  const int64_t handle = PyLong_AsLongLong(args[0]);
+  const int64_t mode = PyLong_AsLongLong(args[3]);
+  const int64_t step = PyLong_AsLongLong(args[4]);
+  const int replan = PyObject_IsTrue(args[5]);
+  if (PyErr_Occurred() || replan < 0) {
+    return nullptr;
+  }
+  if (args[1] != Py_None && !walk_cache_fresh(args[1], args[2])) {
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
+    Py_RETURN_FALSE;
+  }
+  std::shared_ptr<PreparedUpdate> prepared = find_prepared(handle);
+  if (prepared == nullptr || mode < 0 || mode > static_cast<int64_t>(StepMode::kKeep)) {
+    PyErr_Format(PyExc_ValueError, "run_prepared: no prepared update %lld or mode %lld",
+                 static_cast<long long>(handle), static_cast<long long>(mode));
+    return nullptr;
+  }
+  bool ran = false;
+  bool failed = false;
+  PyThreadState* state = PyEval_SaveThread();
+  try {
+    ran = prepared->run(static_cast<StepMode>(mode), step, replan != 0);
+  } catch (const std::exception& err) {
+    PyEval_RestoreThread(state);
+    set_python_error(err);
+    failed = true;
+  }
+  if (failed) {
+    return nullptr;
+  }
+  PyEval_RestoreThread(state);
+  return PyBool_FromLong(ran);
+}
+
+PyObject* python_prepared_runs(PyObject* /*module*/, PyObject* handle) {
+  const int64_t h = PyLong_AsLongLong(handle);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  const std::shared_ptr<PreparedUpdate> prepared = find_prepared(h);
+  return PyLong_FromLongLong(prepared == nullptr ? -1 : prepared->runs());
+}
+
+PyObject* python_prepared_free(PyObject* /*module*/, PyObject* handle) {
+  const int64_t h = PyLong_AsLongLong(handle);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  std::shared_ptr<PreparedUpdate> freed;  // released outside the lock
+  {
+    Registry& r = registry();
+    const std::lock_guard<std::mutex> lock(r.mutex);
+    const auto it = r.items.find(h);
+    if (it != r.items.end()) {
+      freed = std::move(it->second);
+      r.items.erase(it);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+}  // namespace fused_ema
+
+TORCH_LIBRARY_IMPL(fused_ema, CompositeExplicitAutograd, m) {
+  m.impl("prepared_new", &fused_ema::prepared_new);
+  m.impl("prepared_add_call", &fused_ema::prepared_add_call);
+  m.impl("prepared_add_copies", &fused_ema::prepared_add_copies);
+}

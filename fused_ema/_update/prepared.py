@@ -1,0 +1,110 @@
+"""An update plan prepared in the extension (csrc/prepared_update.h): its tensors handed over once,
+then each update one call (_C.run_prepared) that checks every tensor is still what was planned,
+moves the schedules and runs every lerp and copy, refusing before the first write. Plans whose
+sources must be staged, cut or read from DTensor shards, and non_blocking or compiled updates,
+run as UpdatePlan.run / start do."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .._ext.loader import _C
+from .plan import UpdatePlan
+
+# How a run moves the step counters (csrc/prepared_update.h's StepMode).
+ADVANCE, SET, KEEP = 0, 1, 2
+# The fused call a device group makes (csrc/prepared_update.h's FusedKind).
+_LERP, _LERP_STOCHASTIC, _LERP_MANY, _LERP_MANY_STOCHASTIC, _BEMA = range(5)
+# Tensors the extension may hold and run without Python: no subclass dispatches through Python.
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class Prepared:
+    """`plan` with `schedules` (one per EMA, the plan's order), prepared. `plan` joins `plans`,
+    the plan of each EMA, when there are several (PostHocEma, Bema)."""
+
+    __slots__ = ("plans", "steps", "handle", "_free", "__weakref__")
+
+    def __init__(self, plan: UpdatePlan, plans: tuple, schedules: list, walk: list):
+        self.plans = plans
+        self.steps = tuple(s.step for s in schedules)  # Schedule.place() replaces them
+        tensors = [t for s in schedules for t in (s.step, s.out, s.config)]
+        self.handle = torch.ops.fused_ema.prepared_new(tensors)
+        self._free = weakref.finalize(self, _C.prepared_free, self.handle)
+        for group in plan.groups.values():
+            self._add_group(group, schedules, walk)
+        for copies in plan.copies.values():
+            torch.ops.fused_ema.prepared_add_copies(
+                self.handle, copies.ema, [walk[i] for i in copies.index]
+            )
+
+    def _add_group(self, group, schedules: list, walk: list) -> None:
+        src = group.sources(walk)
+        steps = schedules[0].step
+        if not group.followers:
+            weights, joint = schedules[0].weight, []
+            tracks = [group]
+            kind = _LERP if group.seed is None else _LERP_STOCHASTIC
+        else:
+            tracks = [group, *group.followers]
+            weights = torch.zeros(len(tracks), dtype=torch.float64, device=steps.device)
+            joint = list(range(len(tracks)))
+            if group.joint == "bema":
+                kind = _BEMA
+            else:
+                kind = _LERP_MANY if group.seed is None else _LERP_MANY_STOCHASTIC
+        stochastic = kind in (_LERP_STOCHASTIC, _LERP_MANY_STOCHASTIC)
+        torch.ops.fused_ema.prepared_add_call(
+            self.handle,
+            kind,
+            [e for g in tracks for e in g.ema],
+            src,
+            weights,
+            joint,
+            steps if stochastic else None,
+            [g.seed for g in tracks] if stochastic else [],
+            [k for g in tracks for k in g.keys] if stochastic else [],
+            group.offsets if stochastic else [],
+        )
+
+    def current(self, plans: tuple, schedules: list) -> bool:
+        """Whether this was prepared for the EMAs' present plans and schedule tensors."""
+        return (
+            len(plans) == len(self.plans) == len(schedules)
+            and all(a is b for a, b in zip(plans, self.plans))
+            and all(a is s.step for a, s in zip(self.steps, schedules))
+        )
+
+    def run(self, cache, model, mode: int, step: int, replan: bool) -> bool:
+        return _C.run_prepared(self.handle, cache, model, mode, step, replan)
+
+    def runs(self) -> int:
+        """How many runs have completed (each wrote everything)."""
+        return _C.prepared_runs(self.handle)
+
+
+def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
+    """Whether `plan` can be prepared: every source a plain CPU/CUDA tensor of the walk on its
+    EMA's device, and the weights and step where each group's kernel reads them."""
+    if plan.snapshot:
+        return False
+    place = schedules[0].step.device
+    for group in plan.groups.values():
+        if group.shards or group.cuts or group.staged or group.wait_for:
+            return False
+        if place.type != "cpu" and place != group.device:
+            return False
+        for g in (group, *group.followers):
+            if any(type(e) not in _PLAIN for e in g.ema):
+                return False
+        if any(type(walk[i]) not in _PLAIN for i in group.direct):
+            return False
+    for copies in plan.copies.values():
+        if copies.staging or any(type(walk[i]) not in _PLAIN for i in copies.index):
+            return False
+        if any(type(e) not in _PLAIN for e in copies.ema):
+            return False
+    return True

@@ -1,0 +1,185 @@
+"""The prepared update (csrc/prepared_update.h, fused_ema/_update/prepared.py): a blocking update's
+plan held in the extension and run again by one call while every tensor is what was planned. Each
+test checks the EMA against an independent float64 reference of the updates applied, including
+when the model's or the EMA's tensors change under the plan (.data swaps, resize_, dtype)."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from track_helpers import fused_passes
+
+import fused_ema
+from ema_helpers import TiedNet, small_mlp, train_step
+from fused_ema import _C
+
+DECAY = 0.75
+
+
+class Reference:
+    """float64 EMA of a model's float tensors by name: copy first, then lerp with 1 - decay."""
+
+    def __init__(self):
+        self.values = None
+
+    def update(self, model):
+        state = model.state_dict()
+        if self.values is None:
+            self.values = {k: v.detach().double().clone() for k, v in state.items()}
+            return
+        for name, value in state.items():
+            if value.is_floating_point():
+                self.values[name] += (1 - DECAY) * (value.detach().double() - self.values[name])
+            else:
+                self.values[name] = value.detach().double().clone()
+
+    def check(self, ema, atol=1e-5):
+        weights = ema.state_dict()["weights"]
+        for name, value in self.values.items():
+            if name in weights:
+                torch.testing.assert_close(weights[name].double(), value, rtol=0, atol=atol)
+
+
+def perturb(model, g):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def updated_pair(model):
+    ema, ref = fused_ema.ModelEma(model, decay=DECAY), Reference()
+    for _ in range(3):
+        ema.update(model)
+        ref.update(model)
+    return ema, ref
+
+
+def test_a_steady_update_is_one_fused_pass_and_matches_float64():
+    g = torch.Generator().manual_seed(0)
+    model = TiedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema, ref = fused_ema.ModelEma(model, decay=DECAY), Reference()
+
+    def steps():
+        for _ in range(4):
+            train_step(model, optimizer, g)
+            ema.update(model)
+            ref.update(model)
+
+    assert fused_passes(steps) == ["lerp_"] * 4
+    assert ema._updater.prepared is not None
+    ref.check(ema)
+
+
+def test_a_data_swap_of_the_same_shape_is_followed():
+    g = torch.Generator().manual_seed(1)
+    model = small_mlp()
+    ema, ref = updated_pair(model)
+    with torch.no_grad():
+        model[0].weight.data = torch.randn(model[0].weight.shape, generator=g)  # new storage
+    for _ in range(2):
+        perturb(model, g)
+        ema.update(model)
+        ref.update(model)
+    ref.check(ema)
+
+
+@pytest.mark.parametrize("change", ["resize_", "view", "dtype"])
+def test_a_reshaped_or_retyped_tensor_is_a_structure_change(change):
+    g = torch.Generator().manual_seed(2)
+    model = small_mlp()
+    ema, _ = updated_pair(model)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    mean = model[1].running_mean  # a buffer: resize_ needs no grad mode games
+    if change == "resize_":
+        mean.resize_(mean.numel() + 4)
+    elif change == "view":
+        mean.data = mean.data.reshape(4, -1)
+    else:
+        mean.data = mean.data.double()
+    perturb(model, g)
+    if change == "dtype":  # a float64 source of a float32 EMA: staged, still averaged
+        ema.update(model)
+        after = ema.state_dict()["weights"]["1.running_mean"].double()
+        expected = before["1.running_mean"].double().lerp(mean.double(), 1 - DECAY)
+        torch.testing.assert_close(after, expected, rtol=0, atol=1e-6)
+        return
+    with pytest.raises(fused_ema.StructureMismatchError, match="1.running_mean"):
+        ema.update(model)
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
+    assert ema.step == 3
+
+
+def test_an_ema_tensor_swapped_through_ema_module_is_written_where_it_now_lies():
+    g = torch.Generator().manual_seed(3)
+    model = small_mlp()
+    ema, ref = updated_pair(model)
+    replacement = torch.randn(ema.module[0].bias.shape, generator=g)
+    ema.module[0].bias.data = replacement
+    ref.values["0.bias"] = replacement.double().clone()
+    perturb(model, g)
+    ema.update(model)
+    ref.update(model)
+    ref.check(ema)
+    assert ema.module[0].bias.data_ptr() == replacement.data_ptr()
+
+
+def test_a_non_contiguous_source_is_averaged_every_step():
+    g = torch.Generator().manual_seed(4)
+    model = nn.Linear(5, 3)
+    model.weight = nn.Parameter(torch.randn(5, 3, generator=g).t())  # a transposed view
+    ema, ref = updated_pair(model)
+    for _ in range(3):
+        perturb(model, g)
+        ema.update(model)
+        ref.update(model)
+    ref.check(ema)
+
+
+def test_a_dispatch_mode_sees_the_fused_op():
+    model = small_mlp()
+    ema, _ = updated_pair(model)
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        ema.update(model)
+    assert any("fused_ema.lerp_" in name for name in seen), seen
+
+
+def test_the_prepared_update_is_freed_with_the_ema_and_keeps_no_model_alive():
+    model = small_mlp()
+    ema, _ = updated_pair(model)
+    handle = ema._updater.prepared.handle
+    assert _C.prepared_runs(handle) >= 2
+    model_ref = weakref.ref(model)
+    del ema, model
+    gc.collect()
+    assert _C.prepared_runs(handle) == -1
+    assert model_ref() is None
+
+
+def test_a_stale_plan_is_replaced_when_the_model_changes_structure():
+    g = torch.Generator().manual_seed(5)
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=DECAY, on_mismatch="resync")
+    ema.update(model)
+    ema.update(model)
+    first = ema._updater.prepared
+    model[3] = nn.Linear(16, 5)  # reshaped: it starts from the model
+    perturb(model, g)
+    ema.update(model)
+    assert ema._updater.prepared is not first
+    torch.testing.assert_close(ema.state_dict()["weights"]["3.weight"], model[3].weight.detach())
+    perturb(model, g)
+    expected = ema.state_dict()["weights"]["3.weight"].lerp(model[3].weight.detach(), 1 - DECAY)
+    ema.update(model)
+    torch.testing.assert_close(ema.state_dict()["weights"]["3.weight"], expected)
