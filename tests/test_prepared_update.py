@@ -183,3 +183,21 @@ def test_a_stale_plan_is_replaced_when_the_model_changes_structure():
     expected = ema.state_dict()["weights"]["3.weight"].lerp(model[3].weight.detach(), 1 - DECAY)
     ema.update(model)
     torch.testing.assert_close(ema.state_dict()["weights"]["3.weight"], expected)
+
+
+def test_the_models_tensors_are_freed_with_the_model_while_the_ema_lives():
+    model = small_mlp()
+    ema, _ = updated_pair(model)
+    weights = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    handle = ema._updater.prepared.handle
+    param = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    assert param() is None  # the prepared update held it: it went with the model
+    assert _C.prepared_runs(handle) == -1
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, weights[name]), name
+    other = small_mlp()
+    ema.resync(other)
+    ema.update(other)  # a new model, a new prepared update
+    assert ema._updater.prepared.handle != handle

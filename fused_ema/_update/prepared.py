@@ -26,14 +26,17 @@ class Prepared:
     """`plan` with `schedules` (one per EMA, the plan's order), prepared. `plan` joins `plans`,
     the plan of each EMA, when there are several (PostHocEma, Bema)."""
 
-    __slots__ = ("plans", "steps", "handle", "_free", "__weakref__")
+    __slots__ = ("plans", "steps", "handle", "_free", "_with_model", "__weakref__")
 
-    def __init__(self, plan: UpdatePlan, plans: tuple, schedules: list, walk: list):
+    def __init__(self, plan: UpdatePlan, plans: tuple, schedules: list, model, walk: list):
         self.plans = plans
         self.steps = tuple(s.step for s in schedules)  # Schedule.place() replaces them
         tensors = [t for s in schedules for t in (s.step, s.out, s.config)]
         self.handle = torch.ops.fused_ema.prepared_new(tensors)
         self._free = weakref.finalize(self, _C.prepared_free, self.handle)
+        # The extension holds the model's tensors: they go with the model, as an unprepared
+        # plan's weak references would.
+        self._with_model = weakref.finalize(model, self._free)
         for group in plan.groups.values():
             self._add_group(group, schedules, walk)
         for copies in plan.copies.values():
@@ -71,15 +74,22 @@ class Prepared:
         )
 
     def current(self, plans: tuple, schedules: list) -> bool:
-        """Whether this was prepared for the EMAs' present plans and schedule tensors."""
+        """Whether this was prepared for the EMAs' present plans and schedule tensors, and its
+        model is alive."""
         return (
-            len(plans) == len(self.plans) == len(schedules)
+            self._free.alive
+            and len(plans) == len(self.plans) == len(schedules)
             and all(a is b for a, b in zip(plans, self.plans))
             and all(a is s.step for a, s in zip(self.steps, schedules))
         )
 
     def run(self, cache, model, mode: int, step: int, replan: bool) -> bool:
         return _C.run_prepared(self.handle, cache, model, mode, step, replan)
+
+    def free(self) -> None:
+        """Drops the extension's update and the tensors it holds."""
+        self._with_model.detach()
+        self._free()
 
     def runs(self) -> int:
         """How many runs have completed (each wrote everything)."""

@@ -146,7 +146,7 @@ class Updater:
         mode, value = (prep.ADVANCE, 0) if step is None else (prep.SET, step)
         return prepared.run(cache, model, mode, value, False)
 
-    def _prepared_for(self, plan, walk: list):
+    def _prepared_for(self, plan, model, walk: list):
         """The prepared form of `plan` for a blocking update, or None where it has none."""
         if _dispatch_modes():
             return None
@@ -154,10 +154,12 @@ class Updater:
         prepared = self.prepared
         if prepared is not None and prepared.current(plans, schedules):
             return prepared
-        self.prepared = None
+        if prepared is not None:
+            prepared.free()
+            self.prepared = None
         if not prep.preparable(plan, schedules, walk):
             return None
-        self.prepared = prep.Prepared(plan, plans, schedules, walk)
+        self.prepared = prep.Prepared(plan, plans, schedules, model, walk)
         return self.prepared
 
     def _update(self, ema, model, walk, names, step, non_blocking: bool, values) -> bool:
@@ -190,7 +192,9 @@ class Updater:
                 schedule.begin(step)
                 schedule.note_capture()
             prepared = (
-                None if non_blocking or values is not None else self._prepared_for(plan, walk)
+                None
+                if non_blocking or values is not None
+                else self._prepared_for(plan, model, walk)
             )
             if prepared is not None:
                 # One call, all or nothing: its count of runs tells which, whatever interrupts
