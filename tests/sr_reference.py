@@ -11,7 +11,7 @@ M1, M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
 
 
 def splitmix64(x):
-    """splitmix64's next output from state x (Python ints: the key is per tensor, not per element)."""
+    """splitmix64's next output from state x (Python ints: keys are per tensor, not per element)."""
     z = (x + GOLDEN) & U64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
