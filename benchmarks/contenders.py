@@ -334,7 +334,7 @@ class TimmModelEmaV3Stochastic(TimmModelEmaV3):
 
 class FusedStochastic(_Lists):
     """The planned fused op: lerp in float32, stochastic rounding to the EMA dtype with random
-    bits from Philox keyed by (seed, step, element index, tensor key)."""
+    bits hashed from (seed, step, element index, tensor key)."""
 
     name = "fused_ema.lerp_stochastic_"
     stochastic_rounding = True

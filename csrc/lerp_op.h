@@ -53,7 +53,7 @@ struct CheckedStep {
 };
 CheckedStep checked_step(const at::Tensor& step, const char* op);
 
-// Keys are 32 bits of the Philox counter (../stochastic_round.h).
+// Keys are 32 bits of a stream's key (../stochastic_round.h).
 constexpr int64_t kMaxKey = UINT32_MAX;
 
 // lerp_stochastic_'s rounding arguments as a runner receives them (../stochastic_round.h).

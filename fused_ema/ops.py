@@ -71,7 +71,7 @@ def lerp_stochastic_(
     Each result is PyTorch's lerp in float, rounded up or down at random with probability
     proportional to the distance (bfloat16: timm's scheme). float32/float64 EMAs in the lists get
     the plain ``lerp_``, so one call serves a whole model. The random bits of element ``e`` of
-    tensor ``i`` depend only on ``(seed, step, keys[i], offsets[i] + e)`` (Philox4x32-10), so
+    tensor ``i`` depend only on ``(seed, step, keys[i], offsets[i] + e)`` (docs/ops.md), so
     results do not depend on threads, list order, devices or sharding: a shard passes the index
     of its first element in the full tensor as its offset (a DTensor sharded by rows, as FSDP2
     shards, adds its own shard's start). ``keys`` default to the list indices,

@@ -1,58 +1,62 @@
 """NumPy reference of fused_ema's stochastic rounding (csrc/stochastic_round.h), written from its
-definition rather than its code: Philox4x32-10 random words per element, timm's bfloat16 scheme,
-and float16 rounding chosen from the two neighbouring halves by exact float64 arithmetic."""
+definition rather than its code: 16 random bits per element (half of a keyed 32-bit hash of the
+element's pair), timm's bfloat16 scheme, and float16 rounding chosen from the two neighbouring
+halves by exact float64 arithmetic."""
 
 import numpy as np
 
-M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-W0, W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
-ROUNDS = 10
-MASK32 = np.uint64(0xFFFFFFFF)
-WORDS_PER_CALL = 4
+U64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+M1, M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
 
 
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 on arrays of counters (uint32), returning four uint32 arrays."""
-    c = [np.asarray(x, dtype=np.uint32) for x in (c0, c1, c2, c3)]
-    k0, k1 = np.uint32(k0), np.uint32(k1)
-    with np.errstate(over="ignore"):
-        for _ in range(ROUNDS):
-            p0 = M0 * c[0].astype(np.uint64)
-            p1 = M1 * c[2].astype(np.uint64)
-            hi0, lo0 = (p0 >> np.uint64(32)).astype(np.uint32), (p0 & MASK32).astype(np.uint32)
-            hi1, lo1 = (p1 >> np.uint64(32)).astype(np.uint32), (p1 & MASK32).astype(np.uint32)
-            c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
-            k0 = np.uint32(k0 + W0)
-            k1 = np.uint32(k1 + W1)
-    return c
+def splitmix64(x):
+    """splitmix64's next output from state x (Python ints: keys are per tensor, not per element)."""
+    z = (x + GOLDEN) & U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    return z ^ (z >> 31)
+
+
+def pair_key(seed, step, key, hi):
+    """The 64-bit key of the pairs whose index has high word `hi`."""
+    h = splitmix64(seed & U64)
+    h = splitmix64(h ^ (step & U64))
+    return splitmix64(h ^ ((hi << 32) | (key & 0xFFFFFFFF)))
+
+
+def pair_bits(lo, k):
+    """lowbias32 (hash-prospector's 0x21f0aaad/0x735a2d97) of lo * 0x9E3779B9 + k mod 2**32,
+    the key's high word xored in after the first multiply; lo a uint32 array."""
+    x = np.asarray(lo, dtype=np.uint32) * np.uint32(0x9E3779B9) + np.uint32(k & 0xFFFFFFFF)
+    x ^= x >> np.uint32(16)
+    x *= M1
+    x ^= (x >> np.uint32(15)) ^ np.uint32(k >> 32)
+    x *= M2
+    return x ^ (x >> np.uint32(15))
 
 
 def element_words(seed, step, key, offset, n):
-    """The random word of elements offset .. offset+n-1 of a tensor (stochastic_round.h)."""
-    seed &= (1 << 64) - 1
-    step &= (1 << 64) - 1
+    """The 16 random bits of elements offset .. offset+n-1 of a tensor (uint32 array): element e
+    takes half e % 2 (low, then high) of its pair's bits, the pair p = e // 2 keyed by p's high
+    word."""
     elements = np.arange(n, dtype=np.uint64) + np.uint64(offset)
-    groups = elements // np.uint64(WORDS_PER_CALL)
-    k0 = (seed & 0xFFFFFFFF) ^ (step >> 32)
-    k1 = seed >> 32
-    words = philox4x32_10(
-        (groups & MASK32).astype(np.uint32),
-        (groups >> np.uint64(32)).astype(np.uint32),
-        np.full(n, key, dtype=np.uint32),
-        np.full(n, step & 0xFFFFFFFF, dtype=np.uint32),
-        k0,
-        k1,
-    )
-    lane = (elements % np.uint64(WORDS_PER_CALL)).astype(np.int64)
-    return np.choose(lane, words).astype(np.uint32)
+    pairs = elements >> np.uint64(1)
+    his = pairs >> np.uint64(32)
+    bits = np.empty(n, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        for hi in np.unique(his):
+            where = his == hi
+            k = pair_key(seed, step, key, int(hi))
+            bits[where] = pair_bits(pairs[where].astype(np.uint32), k)
+    shift = ((elements & np.uint64(1)) * np.uint64(16)).astype(np.uint32)
+    return (bits >> shift) & np.uint32(0xFFFF)
 
 
 def round_bf16(values, words):
     """timm 1.0.31: add 16 random bits below the kept half, truncate; NaN to nearest (0x7FC0)."""
     bits = np.asarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    out = ((bits + (words.astype(np.uint64) & np.uint64(0xFFFF))) >> np.uint64(16)).astype(
-        np.uint16
-    )
+    out = ((bits + words.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
     return np.where(np.isnan(values), np.uint16(0x7FC0), out)
 
 
@@ -62,7 +66,7 @@ HALF_OVERFLOW = 65536.0
 
 def round_f16(values, words):
     """The half above |value| with probability (|value| - below) / (above - below), truncated to
-    32 bits: chosen by word < floor(2**32 * fraction). Returns uint16 bits."""
+    16 bits: chosen by word < floor(2**16 * fraction). Returns uint16 bits."""
     with np.errstate(over="ignore", invalid="ignore"):
         return _round_f16(values, words)
 
@@ -83,7 +87,7 @@ def _round_f16(values, words):
     above = np.nextafter(below.astype(np.float16), np.float16(np.inf)).astype(np.float64)
     above = np.where(np.isinf(above), HALF_OVERFLOW, above)
     fraction = np.where(finite, (mag - below) / (above - below), 0.0)
-    threshold = np.floor(fraction * 2.0**32).astype(np.uint64)
+    threshold = np.floor(fraction * 2.0**16).astype(np.uint64)
     up = words.astype(np.uint64) < threshold
     low_bits = below.astype(np.float16).view(np.uint16)
     bits = (low_bits + up.astype(np.uint16)).astype(np.uint16)

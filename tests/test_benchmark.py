@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import fused_ema
 from benchmarks import bench, contenders, models
 
 
@@ -121,6 +122,18 @@ def test_overhead_benchmark_runs(tmp_path):
     assert sorted(p.suffix for p in tmp_path.glob("overhead_*")) == [".json", ".md"]
     written = next(tmp_path.glob("overhead_*.md")).read_text()
     assert all(f"{name}: n/a: no walk cache" in written for name in missing)
+
+
+def test_stochastic_benchmark_runs_at_tiny_size(tmp_path):
+    from benchmarks import stochastic
+
+    args = ["--pairs", "bf16/bf16,f32/bf16", "--rounds", "1", "--dim", "16", "--timm"]
+    record = stochastic.main([*args, "--out", str(tmp_path)])
+    isas = [i for i in ("avx512", "avx2") if i in fused_ema.build_info()["cpu_isas_available"]]
+    assert len(record["rows"]) == 3 * 2 * len(isas)
+    for row in record["rows"]:
+        assert row["nearest"]["median_ms"] > 0 and row["ratio"] > 0, row
+    assert sorted(p.suffix for p in tmp_path.glob("stochastic_*")) == [".json", ".md"]
 
 
 def test_posthoc_benchmark_runs_at_tiny_size(tmp_path):

@@ -270,8 +270,8 @@ def run_stochastic(emu, lists, weight, seed, step, keys, offsets, large, weight_
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
 def test_stochastic_rounding_matches_the_cpu_kernel(emu, pair, layout):
-    """Keys from ModelEma's names (stream_key) and offsets of shards, some not a multiple of 4
-    (a pack then starts inside a Philox group); float32/float64 EMAs get the plain lerp."""
+    """Keys from ModelEma's names (stream_key) and offsets of shards, some odd (a pack then
+    starts inside an element pair); float32/float64 EMAs get the plain lerp."""
     lists = Lists(pair, edge_layout(pack_of(pair)), seed=4)
     count = len(lists.src)
     keys = [stream_key(f"blocks.{i}.weight") for i in range(count)]
@@ -304,7 +304,7 @@ def test_stochastic_step_and_weight_read_through_device_pointers(emu, pair, layo
 def test_stochastic_shards_at_any_offset_match_the_whole_tensor(emu, pair):
     """A tensor cut into shards at odd element counts, each emulated with its first element's
     index as offset, equals the CPU kernel's update of the whole tensor. The tensor starts 2
-    elements past a 16-byte boundary, so packs start inside Philox groups."""
+    elements past a 16-byte boundary, so packs start inside element pairs."""
     n = 2 * CHUNK + 77
     lists = Lists(pair, [(n, 2, 2)], seed=6)
     key = stream_key("head.weight")

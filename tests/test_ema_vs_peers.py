@@ -169,7 +169,7 @@ def test_fp32_ema_of_bf16_model_matches_timm_to_float_rounding():
 
 def test_bf16_stochastic_rounding_tracks_like_timm():
     # Stochastic rounding draws different random bits (timm: torch.randint from a CPU generator;
-    # fused_ema: Philox keyed by seed, step and element), so the two agree in distribution only:
+    # fused_ema: a hash keyed by seed, step and element), so the two agree in distribution only:
     # each stays as close to the exact float64 EMA as the other, where round-to-nearest stalls.
     timm = timm_model_ema()
     require(peer_access.timm_missing(stochastic_rounding=True))

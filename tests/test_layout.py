@@ -32,7 +32,7 @@ LAYERS = [
     ("posthoc", "bema"),  # public: post-hoc EMA snapshots and synthesis; BEMA
     ("integrations", "__init__", "__main__"),
 ]
-TEST_ONLY = ("_philox", "_stochastic_round", "_cuda_small_params")
+TEST_ONLY = ("_sr_words", "_stochastic_round", "_cuda_small_params")
 
 
 def module_files() -> dict:
@@ -151,7 +151,7 @@ def test_every_subpackage_ships():
 def test_the_compiled_module_has_no_test_only_entry_points():
     assert not set(TEST_ONLY) & set(dir(_C))
     assert not [name for name in dir(_C) if "test" in name.lower()]
-    for name in ("philox", "stochastic_round", "cuda_small_params"):
+    for name in ("sr_words", "stochastic_round", "cuda_small_params"):
         assert not hasattr(torch.ops.fused_ema, name)
         assert hasattr(torch.ops.fused_ema_testing, name)
 

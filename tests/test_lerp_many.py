@@ -12,7 +12,7 @@ from conftest import DTYPE_PAIRS, SAME_DTYPE_PAIRS, pair_id, random_tensor
 
 SR_PAIRS = [p for p in DTYPE_PAIRS if p[0] in (torch.bfloat16, torch.float16)]
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Sizes around the CPU kernel's block (4 KB of src), vector widths and Philox groups.
+# Sizes around the CPU kernel's block (4 KB of src), vector widths and element pairs.
 SHAPES = [(1,), (7,), (33,), (2, 3, 65), (1023,), (1025,), (2049,), (5000,), (0,), (3, 0)]
 WEIGHTS = [0.5, 1.0, 0.0, 1e-30, 0.3, 0.7, 1e-4, 0.9999, 0.25]
 OP = torch.ops.fused_ema

@@ -58,7 +58,7 @@ def cpu_isa(request):
 def test_matches_reference_bit_for_bit(pair, weight, cpu_isa):
     ema, src = make_lists(SIZES, pair, seed=1)
     keys = [3, 0, 2**32 - 1, 17, 5]
-    offsets = [0, 5, 2**33 + 2, 1, 2**32 * 4 - 8]  # unaligned, and group counters that carry
+    offsets = [0, 5, 2**33 + 2, 1, 2**32 * 4 - 8]  # odd, and across blocks of 2**32 pairs
     seed, step = 2**63 + 12345, 2**40 + 77
     want = expected(ema, src, weight, seed, step, keys, offsets)
     fused_ema.lerp_stochastic_(ema, src, weight, seed=seed, step=step, keys=keys, offsets=offsets)
@@ -73,6 +73,26 @@ def test_special_values_match_reference(pair):
     src = [values.to(pair[1])]
     want = expected(ema, src, 0.3, 0, 0, [0], [0])
     fused_ema.lerp_stochastic_(ema, src, 0.3, seed=0, step=0)
+    assert_bitwise(ema, want)
+
+
+@pytest.mark.parametrize("weight", [0.3, 1.0])
+@pytest.mark.parametrize("pair", SR_PAIRS[2:], ids=pair_id)
+def test_every_kind_of_value_matches_reference_on_the_vector_path(pair, weight, cpu_isa):
+    """Random float32 bit patterns (NaN, inf, float16 overflows, float32 subnormals) in whole
+    vector blocks (weight 1 rounds src itself): in the first half with float16 subnormals in every
+    block, in the second half with none (the AVX paths round such blocks another way)."""
+    g = torch.Generator().manual_seed(6)
+    bits = torch.randint(-(2**31), 2**31, (8192,), generator=g, dtype=torch.int64)
+    values = bits.to(torch.int32).view(torch.float32)
+    values[1::2] = torch.randn(4096, generator=g) * 10.0 ** torch.randint(-9, 6, (4096,))
+    values[:4096:64] = 1e-6  # a float16 subnormal in every block of the first half
+    rest = values[4096:]
+    rest[(rest != 0) & (rest.abs() < 2**-14)] = 1.5
+    rest[::97] = 0.0
+    ema, src = [torch.zeros(8192, dtype=pair[0])], [values]
+    want = expected(ema, src, weight, 5, 6, [7], [0])
+    fused_ema.lerp_stochastic_(ema, src, weight, seed=5, step=6, keys=[7])
     assert_bitwise(ema, want)
 
 

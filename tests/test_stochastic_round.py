@@ -1,6 +1,7 @@
-"""csrc/stochastic_round.h: its Philox4x32-10 matches the Random123 known answers and the NumPy
-reference (tests/sr_reference.py), its bfloat16/float16 rounding matches the reference bit for bit
-over every kind of value, is unbiased, and the header compiles for the GPU with plain nvcc."""
+"""csrc/stochastic_round.h: its random stream matches known answers and the NumPy reference
+(tests/sr_reference.py), its bfloat16/float16 rounding matches the reference bit for bit over every
+kind of value, is unbiased, and the header compiles for the GPU with plain nvcc. The statistics of
+the stream are tests/test_sr_stream_quality.py's."""
 
 import subprocess
 
@@ -10,39 +11,61 @@ import sr_reference as ref
 import torch
 from test_cuda_compile import NVCC, ROOT
 
-from fused_ema._ext.testing import philox, stochastic_round
+from fused_ema._ext.testing import sr_words, stochastic_round
 
-# Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, expected).
-PHILOX_KAT = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    (
-        (0xFFFFFFFF,) * 4,
-        (0xFFFFFFFF,) * 2,
-        (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD),
-    ),
-    (
-        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
-        (0xA4093822, 0x299F31D0),
-        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
-    ),
+# splitmix64's published outputs from state 1234567 (its successive states: + the golden gamma).
+SPLITMIX64_KAT = [
+    6457827717110365317,
+    3203168211198807973,
+    9817491932198370423,
+    4593380528125082431,
+    16408922859458223821,
+]
+# The stream itself, pinned: (seed, step, key, offset) -> the words of 8 elements from offset on.
+STREAM_KAT = [
+    ((0, 0, 0, 0), [1946, 22303, 23303, 46683, 60420, 12675, 64394, 51022]),
+    # An odd offset, across a block of 2**32 pairs (its last 3 elements, the next block's first 3)
+    ((2**64 - 1, 2**40 + 5, 2**32 - 1, 2**33 - 3), [58547, 46653, 49681, 48068, 26380, 43901]),
 ]
 SR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@pytest.mark.parametrize("counter, key, expected", PHILOX_KAT)
-def test_philox_known_answers(counter, key, expected):
-    assert philox(counter, key) == expected
-    words = ref.philox4x32_10(*([c] for c in counter), *key)
-    assert tuple(int(w[0]) for w in words) == expected
+def test_splitmix64_known_answers():
+    state, out = 1234567, []
+    for _ in SPLITMIX64_KAT:
+        out.append(ref.splitmix64(state))
+        state = (state + ref.GOLDEN) & ref.U64
+    assert out == SPLITMIX64_KAT
 
 
-def test_philox_matches_reference_on_random_inputs():
+@pytest.mark.parametrize("args, expected", STREAM_KAT)
+def test_stream_known_answers(args, expected):
+    assert sr_words(*args, len(expected)).tolist() == expected
+    assert ref.element_words(*args, len(expected)).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "seed, step, key, offset",
+    [
+        (0, 0, 0, 0),
+        (2**64 - 1, 2**64 - 1, 2**32 - 1, 2**33 - 500),  # across a block of 2**32 pairs
+        (-5, -1, 3, 2**62 + 1),
+    ],
+)
+def test_stream_matches_reference(seed, step, key, offset):
+    got = sr_words(seed, step, key, offset, 1000).numpy()
+    np.testing.assert_array_equal(got, ref.element_words(seed, step, key, offset, 1000))
+    assert got.min() >= 0 and got.max() < 2**16
+
+
+def test_stream_matches_reference_on_random_inputs():
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        counter = tuple(int(x) for x in rng.integers(0, 2**32, 4))
-        key = tuple(int(x) for x in rng.integers(0, 2**32, 2))
-        words = ref.philox4x32_10(*([c] for c in counter), *key)
-        assert philox(counter, key) == tuple(int(w[0]) for w in words)
+    for _ in range(100):
+        seed, step = (int(x) for x in rng.integers(0, 2**64, 2, dtype=np.uint64))
+        key = int(rng.integers(0, 2**32))
+        offset = int(rng.integers(0, 2**63))
+        got = sr_words(seed, step, key, offset, 37).numpy()
+        np.testing.assert_array_equal(got, ref.element_words(seed, step, key, offset, 37))
 
 
 def special_values():
@@ -161,6 +184,7 @@ def test_header_compiles_for_the_device(arch, tmp_path):
         "  const size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;\n"
         "  if (i >= n) return;\n"
         "  const unsigned word = sr::element_word(1, 2, 3, i);\n"
+        "  if (word != sr::TensorStream(sr::step_key(1, 2), 3, 0).word(i)) return;\n"
         "  out[2 * i] = sr::round_bf16(in[i], word);\n"
         "  out[2 * i + 1] = sr::round_f16(in[i], word);\n"
         "}\n"

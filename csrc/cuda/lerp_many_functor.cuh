@@ -30,7 +30,7 @@ struct TrackEmas {
   void* ema[kMaxTracks];
 };
 
-// lerp_many_stochastic_'s: also each track's Philox key and the tensor's offset (shared).
+// lerp_many_stochastic_'s: also each track's stream key and the tensor's offset (shared).
 struct SrTrackEmas {
   TrackEmas emas;
   uint32_t key[kMaxTracks];

@@ -1,6 +1,6 @@
 // The functor of fused_ema::lerp_stochastic_ for multi_tensor_apply: LerpOp's lerp in float, then
 // the stochastic rounding of ../stochastic_round.h into a bfloat16/float16 EMA, bit for bit as on
-// the CPU. One Philox call serves 4 consecutive elements. No torch headers (nvcc-only tests); the
+// the CPU. One 32-bit hash serves 2 consecutive elements. No torch headers (nvcc-only tests); the
 // host compiles it too.
 #pragma once
 
@@ -14,7 +14,7 @@
 
 namespace fused_ema::cuda {
 
-// Per tensor: its Philox key and the index of its first element in the full tensor.
+// Per tensor: its stream's key and the index of its first element in the full tensor.
 struct SrTensor {
   uint64_t offset;
   uint32_t key;
@@ -50,9 +50,10 @@ struct LerpStochasticOp {
   using src_t = S;
   using extra_t = SrTensor;
   static constexpr int kPack = LerpOp<E, S>::kPack;
-  // Philox's state per pack leaves room for one pack in flight within 64 registers.
+  // One pack in flight, as under the Philox stream this replaced (which needed the registers);
+  // more is for a GPU session to measure.
   static constexpr int kIlp = 1;
-  static_assert(kPack % sr::kWordsPerCall == 0, "a pack holds whole Philox groups");
+  static_assert(kPack % 2 == 0, "a pack holds whole element pairs");
 
   WeightArg weight;
   StepArg step;
@@ -63,10 +64,8 @@ struct LerpStochasticOp {
     float coeff;
     bool small;
     bool skip;  // weight 0: as LerpOp, touch no memory
-    uint64_t seed;
-    uint64_t step;
     uint64_t offset;
-    uint32_t key;
+    sr::TensorStream stream;  // keyed for the tensor's first element's block of 2**32 pairs
 
     FUSED_EMA_HOST_DEVICE E round(E e_in, S s_in, uint32_t word) const {
       const float e = to_opmath(e_in);
@@ -76,30 +75,28 @@ struct LerpStochasticOp {
     }
 
     FUSED_EMA_HOST_DEVICE E operator()(E e, S s, int64_t i) const {
-      return round(e, s, sr::element_word(seed, step, key, offset + static_cast<uint64_t>(i)));
+      return round(e, s, stream.word(offset + static_cast<uint64_t>(i)));
     }
 
-    // A pack whose first element starts a Philox group takes N / 4 calls.
+    // A pack whose first element starts a pair, within the stream's block of pairs, takes N / 2
+    // hashes.
     template <int N>
     FUSED_EMA_HOST_DEVICE void pack(Pack<E, N>& e, const Pack<S, N>& s, int64_t first) const {
       const uint64_t element = offset + static_cast<uint64_t>(first);
-      const uint64_t group = element / sr::kWordsPerCall;
-      const auto lane = static_cast<int>(element % sr::kWordsPerCall);
-      if (lane == 0) {
+      const uint64_t pair = element >> 1;
+      if ((element & 1) == 0 && sr::hi32(pair) == stream.hi &&
+          sr::hi32(pair + N / 2 - 1) == stream.hi) {
 #pragma unroll
-        for (int q = 0; q < N / sr::kWordsPerCall; ++q) {
-          const sr::Words words = sr::group_words(seed, step, key, group + q);
-#pragma unroll
-          for (int l = 0; l < sr::kWordsPerCall; ++l) {
-            const int k = q * sr::kWordsPerCall + l;
-            e.v[k] = round(e.v[k], s.v[k], words.w[l]);
-          }
+        for (int q = 0; q < N / 2; ++q) {
+          const uint32_t bits = sr::pair_bits(sr::lo32(pair) + q, stream.k);
+          e.v[2 * q] = round(e.v[2 * q], s.v[2 * q], bits & 0xFFFFu);
+          e.v[2 * q + 1] = round(e.v[2 * q + 1], s.v[2 * q + 1], bits >> 16);
         }
         return;
       }
-      // Rare (a shard whose offset is not a multiple of 4): one Philox call per element. Unrolled,
-      // like the rest: a run-time index into the packs would move them to local memory, on the
-      // common path too.
+      // Rare (a shard whose offset is odd, a pack past the first block of 2**32 pairs): one hash
+      // per element. Unrolled, like the rest: a run-time index into the packs would move them to
+      // local memory, on the common path too.
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         e.v[k] = (*this)(e.v[k], s.v[k], first + k);
@@ -110,7 +107,8 @@ struct LerpStochasticOp {
   FUSED_EMA_HOST_DEVICE Bound bind(const SrTensor& tensor) const {
     const auto w = static_cast<float>(weight.read());
     const bool small = fabsf(w) < 0.5f;
-    return {small ? w : w - 1.0f, small, w == 0.0f, seed, step.read(), tensor.offset, tensor.key};
+    return {small ? w : w - 1.0f, small, w == 0.0f, tensor.offset,
+            sr::TensorStream(sr::step_key(seed, step.read()), tensor.key, tensor.offset)};
   }
 };
 

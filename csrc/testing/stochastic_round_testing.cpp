@@ -1,5 +1,5 @@
-// Test-only entry points to stochastic_round.h, so that tests can compare its Philox stream and
-// rounding bit for bit with a Python reference: torch.ops.fused_ema_testing.philox and
+// Test-only entry points to stochastic_round.h, so that tests can compare its random stream and
+// rounding bit for bit with a Python reference: torch.ops.fused_ema_testing.sr_words and
 // stochastic_round (registered in testing_ops.cpp; fused_ema/_ext/testing.py wraps them).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -7,24 +7,24 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "../stochastic_round.h"
 
 namespace fused_ema::testing {
 
-// philox([c0, c1, c2, c3], [k0, k1]) -> [w0, w1, w2, w3]; each word taken modulo 2**32.
-std::vector<int64_t> philox(c10::IntArrayRef counter, c10::IntArrayRef key) {
-  TORCH_CHECK_VALUE(counter.size() == 4 && key.size() == 2,
-                    "philox takes 4 counter words and 2 key words, got ", counter.size(), " and ",
-                    key.size());
-  sr::Words ctr{};
-  for (size_t i = 0; i < 4; ++i) {
-    ctr.w[i] = static_cast<uint32_t>(counter[i]);
+// sr_words(seed, step, key, offset, n) -> int32 tensor: the 16 random bits of elements offset ..
+// offset + n - 1 of tensor `key` at (seed, step). seed, step and offset are taken modulo 2**64
+// (two's complement), key modulo 2**32.
+at::Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  at::Tensor out = at::empty({n}, at::kInt);
+  int32_t* words = out.mutable_data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    words[i] = static_cast<int32_t>(
+        sr::element_word(static_cast<uint64_t>(seed), static_cast<uint64_t>(step),
+                         static_cast<uint32_t>(key), static_cast<uint64_t>(offset + i)));
   }
-  const sr::Words out =
-      sr::philox4x32_10(ctr, static_cast<uint32_t>(key[0]), static_cast<uint32_t>(key[1]));
-  return {out.w[0], out.w[1], out.w[2], out.w[3]};
+  return out;
 }
 
 // stochastic_round(values: float32 CPU tensor, "bfloat16" | "float16", seed, step, key, offset)
@@ -42,15 +42,12 @@ at::Tensor stochastic_round(const at::Tensor& values_in, const std::string& dtyp
       at::empty(values.sizes(), values.options().dtype(bf16 ? at::kBFloat16 : at::kHalf));
   const float* in = values.const_data_ptr<float>();
   auto* bits = static_cast<uint16_t*>(out.mutable_data_ptr());
-  const auto seed_u = static_cast<uint64_t>(seed);
-  const auto step_u = static_cast<uint64_t>(step);
-  const auto key_u = static_cast<uint32_t>(key);
   const auto offset_u = static_cast<uint64_t>(offset);
   for (int64_t i = 0; i < values.numel(); ++i) {
     uint32_t x = 0;
     std::memcpy(&x, in + i, sizeof(x));
-    const uint32_t word =
-        sr::element_word(seed_u, step_u, key_u, offset_u + static_cast<uint64_t>(i));
+    const uint32_t word = sr::element_word(static_cast<uint64_t>(seed), static_cast<uint64_t>(step),
+                                           static_cast<uint32_t>(key), offset_u + i);
     bits[i] = bf16 ? sr::round_bf16(x, word) : sr::round_f16(x, word);
   }
   return out;

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #ifndef FUSED_EMA_WITH_CUDA
 #define FUSED_EMA_WITH_CUDA 0
@@ -19,7 +18,7 @@ bool small_params(int set);  // set < 0: read only; returns the previous setting
 
 namespace fused_ema::testing {
 // stochastic_round_testing.cpp
-std::vector<int64_t> philox(c10::IntArrayRef counter, c10::IntArrayRef key);
+at::Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t n);
 at::Tensor stochastic_round(const at::Tensor& values, const std::string& dtype, int64_t seed,
                             int64_t step, int64_t key, int64_t offset);
 
@@ -40,7 +39,8 @@ bool cuda_small_params(int64_t set) {
 }  // namespace fused_ema::testing
 
 TORCH_LIBRARY(fused_ema_testing, m) {
-  m.def("philox(int[] counter, int[] key) -> int[]", &fused_ema::testing::philox);
+  m.def("sr_words(int seed, int step, int key, int offset, int n) -> Tensor",
+        &fused_ema::testing::sr_words);
   m.def(
       "stochastic_round(Tensor values, str dtype, int seed, int step, int key, int offset) -> "
       "Tensor",

@@ -1,4 +1,4 @@
-"""Test-only entry points, kept out of fused_ema._C and torch.ops.fused_ema: the Philox stream and
+"""Test-only entry points, kept out of fused_ema._C and torch.ops.fused_ema: the random stream and
 the stochastic rounding of csrc/stochastic_round.h, and the CUDA launch-parameter size switch.
 They are torch.ops.fused_ema_testing.* (csrc/testing/), which loading fused_ema._C registers."""
 
@@ -17,11 +17,12 @@ def _int64(value: int, mask: int = _U64) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def philox(counter, key) -> tuple[int, int, int, int]:
-    """Philox4x32-10((c0, c1, c2, c3), (k0, k1)) -> its 4 output words (words modulo 2**32)."""
-    counter = [_int64(w, 0xFFFFFFFF) for w in counter]
-    key = [_int64(w, 0xFFFFFFFF) for w in key]
-    return tuple(torch.ops.fused_ema_testing.philox(counter, key))
+def sr_words(seed: int, step: int, key: int, offset: int, n: int) -> torch.Tensor:
+    """The 16 random bits (int32 tensor) of elements offset .. offset + n - 1 of tensor `key` at
+    (seed, step); seed, step and offset are taken modulo 2**64, key modulo 2**32."""
+    return torch.ops.fused_ema_testing.sr_words(
+        _int64(seed), _int64(step), _int64(key, 0xFFFFFFFF), _int64(offset), n
+    )
 
 
 def stochastic_round(values, dtype: str, seed: int, step: int, key: int, offset: int):
