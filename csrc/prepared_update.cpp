@@ -140,8 +140,8 @@ bool PreparedUpdate::unchanged() const {
       }
       if (i + kStorageAhead < stop) {
         const c10::TensorImpl* impl = watched_[i + kStorageAhead]->unsafeGetTensorImpl();
-        if (impl->has_storage()) {
-          __builtin_prefetch(impl->storage().unsafeGetStorageImpl());
+        if (impl->has_storage()) {  // the whole object: the fields read straddle its lines
+          prefetch_object<sizeof(c10::StorageImpl)>(impl->storage().unsafeGetStorageImpl());
         }
       }
       if (!(state_of(*watched_[i]) == states_[i])) {
@@ -279,9 +279,18 @@ void PreparedUpdate::run_call(const PreparedCall& call) {
 bool PreparedUpdate::run(StepMode mode, int64_t step, bool replan) {
   const c10::AutoGradMode no_grad(false);
   if (unchanged()) {
-    // As the planner does for the calls it plans, while the check has their metadata in cache.
-    for (c10::TensorImpl* impl : written_) {
-      impl->bump_version();
+    // As the planner does for the calls it plans, while the check has their metadata in cache;
+    // each bump is an atomic increment of a counter of its own, another miss: split as the check.
+    const auto bump = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        written_[static_cast<size_t>(i)]->bump_version();
+      }
+    };
+    const auto count = static_cast<int64_t>(written_.size());
+    if (count < kParallelCheckFrom) {
+      bump(0, count);
+    } else {
+      at::parallel_for(0, count, kParallelCheckFrom / 2, bump);
     }
   } else if (replan) {
     plan();  // every op's checks: a refusal throws here, before anything is written

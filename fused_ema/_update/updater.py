@@ -132,13 +132,12 @@ class Updater:
         """The steady state: one call runs the update prepared for the current plan, when the
         walk cache (3.12+) vouches that `model` is unchanged. False when it cannot: then nothing
         has changed and the full update runs."""
-        prepared = self.prepared
-        if prepared is None or isinstance(step, torch.Tensor) or _dispatch_modes():
-            return False
-        plan = self.binding.plan
+        prepared, plan = self.prepared, self.binding.plan
         cache = None if plan is None else plan._walk_cache
+        if prepared is None or cache is None or isinstance(step, torch.Tensor):
+            return False
         schedules = self._schedules()
-        if cache is None or not prepared.current(self._plans(), schedules):
+        if _dispatch_modes() or not prepared.current(self._plans(), schedules):
             return False
         for schedule in schedules:
             schedule.commit()  # a step an interrupted update left begun is final
@@ -188,17 +187,23 @@ class Updater:
                 # C walk item for item: a disagreement is refused, never averaged.
                 raise RuntimeError("fused_ema: the compiled program walked another model structure")
             plan.forget_run()
+            prepared = None
+            if not non_blocking and values is None:
+                prepared = self._prepared_for(plan, model, walk)
+            if prepared is not None and not isinstance(step, torch.Tensor):
+                # One call, all or nothing, the counters moved inside it: its count of runs
+                # tells which, whatever interrupts it.
+                runs = prepared.runs()
+                wrote = lambda: prepared.runs() != runs  # noqa: E731
+                for schedule in schedules:
+                    schedule.note_capture()
+                mode, value = (prep.ADVANCE, 0) if step is None else (prep.SET, step)
+                prepared.run(None, None, mode, value, True)
+                return True
             for schedule in schedules:
                 schedule.begin(step)
                 schedule.note_capture()
-            prepared = (
-                None
-                if non_blocking or values is not None
-                else self._prepared_for(plan, model, walk)
-            )
-            if prepared is not None:
-                # One call, all or nothing: its count of runs tells which, whatever interrupts
-                # it. The counters were moved by begin() above: the run keeps them.
+            if prepared is not None:  # a step tensor: begin() set the counters, the run keeps them
                 runs = prepared.runs()
                 wrote = lambda: prepared.runs() != runs  # noqa: E731
                 prepared.run(None, None, prep.KEEP, 0, True)
