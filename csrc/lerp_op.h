@@ -1,6 +1,6 @@
 // The device-independent driver of fused_ema::lerp_: plan the pairs (lerp_plan.h), then hand each
-// device's pairs to the runner that device's kernel registered. Both the dispatcher kernels and
-// the Python fast path (python_fast_path.cpp) enter here, so their behaviour cannot drift apart.
+// device's pairs to the runner that device's kernel registered. The dispatcher kernels and a
+// prepared update (prepared_update.h) enter here, so their behaviour cannot drift apart.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,9 +37,8 @@ void check_has_kernel(bool has_kernel, c10::Device device, const char* op);
 void lerp(TensorRefs ema, TensorRefs src, const c10::Scalar& weight);
 void lerp(TensorRefs ema, TensorRefs src, const at::Tensor& weight);
 
-// The parts of lerp for a caller that plans by itself (the Python fast path): the checks of a
-// weight, the check of each device's plan against it (for LerpPlanner::finish), then the runs
-// of the finished plans on their devices.
+// The parts of lerp: the checks of a weight, the check of each device's plan against it (for
+// LerpPlanner::finish), then the runs of the finished plans on their devices.
 LerpWeight checked_weight(const c10::Scalar& weight);
 LerpWeight checked_weight(const at::Tensor& weight);
 void check_runnable(const DevicePlan& plan, const LerpWeight& weight);

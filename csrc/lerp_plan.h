@@ -16,7 +16,7 @@
 
 namespace fused_ema {
 
-// Borrowed tensors: the Python fast path unpacks without touching reference counts.
+// Borrowed tensors: a call's lists, or a prepared update's, without touching reference counts.
 using TensorRefs = c10::ArrayRef<const at::Tensor*>;
 
 // One (ema, src) pair as a kernel sees it: dense memory with the same layout on both sides.
@@ -121,9 +121,8 @@ struct PairNames {
 };
 
 // Checks (ema, src) pairs one at a time and flattens them into per-device plans; nothing is
-// written until finish(). One object serves the dispatcher's lists (plan_lerp) and the Python
-// fast path, which feeds it while unpacking its lists so that each tensor's metadata is fetched
-// from memory once. Pairs must be added in index order; the tensors must outlive finish().
+// written until finish(). It serves lerp_'s lists (plan_lerp) and the K tracks of lerp_many_ and
+// bema_ (plan_lerp_many). Pairs must be added in index order; the tensors must outlive finish().
 class LerpPlanner {
  public:
   // row_major: every span lists its ema's elements in row-major order (lerp_stochastic_ numbers
