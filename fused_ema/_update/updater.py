@@ -190,24 +190,27 @@ class Updater:
             prepared = None
             if not non_blocking and values is None:
                 prepared = self._prepared_for(plan, model, walk)
-            if prepared is not None and not isinstance(step, torch.Tensor):
-                # One call, all or nothing, the counters moved inside it: its count of runs
-                # tells which, whatever interrupts it.
-                runs = prepared.runs()
-                wrote = lambda: prepared.runs() != runs  # noqa: E731
+            if prepared is not None:
+                # One call, all or nothing, the counters moved inside it: its count of runs tells
+                # which, whatever interrupts it.
+                if step is None:
+                    mode, value = prep.ADVANCE, 0
+                elif not isinstance(step, torch.Tensor):
+                    mode, value = prep.SET, step
+                else:  # read in Python: begin() sets the counters, the run keeps them
+                    mode, value = prep.KEEP, 0
+                    for schedule in schedules:
+                        schedule.begin(step)
                 for schedule in schedules:
                     schedule.note_capture()
-                mode, value = (prep.ADVANCE, 0) if step is None else (prep.SET, step)
+                runs = prepared.runs()
+                wrote = lambda: prepared.runs() != runs  # noqa: E731
                 prepared.run(None, None, mode, value, True)
                 return True
             for schedule in schedules:
                 schedule.begin(step)
                 schedule.note_capture()
-            if prepared is not None:  # a step tensor: begin() set the counters, the run keeps them
-                runs = prepared.runs()
-                wrote = lambda: prepared.runs() != runs  # noqa: E731
-                prepared.run(None, None, prep.KEEP, 0, True)
-            elif non_blocking:
+            if non_blocking:
                 if plan.start(walk, joint_weights(schedules), self.runner):
                     self.pending_plan = plan
                     return False
