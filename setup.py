@@ -41,6 +41,7 @@ CPU_SOURCES = [
     "csrc/lerp_many.cpp",
     "csrc/lerp_op.cpp",
     "csrc/lerp_plan.cpp",
+    "csrc/prepared_handles.cpp",
     "csrc/prepared_update.cpp",
     "csrc/python_walk.cpp",
     "csrc/python_walk_check.cpp",

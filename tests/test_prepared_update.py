@@ -201,3 +201,22 @@ def test_the_models_tensors_are_freed_with_the_model_while_the_ema_lives():
     ema.resync(other)
     ema.update(other)  # a new model, a new prepared update
     assert ema._updater.prepared.handle != handle
+
+
+def test_a_refusal_inside_the_prepared_call_changes_nothing():
+    g = torch.Generator().manual_seed(6)
+    model = small_mlp()
+    ema, _ = updated_pair(model)
+    bias = ema.module[3].bias
+    good = bias.data
+    bias.data = good.to(torch.int32)  # an EMA tensor the fused kernels refuse
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    perturb(model, g)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match="ema"):
+        ema.update(model)
+    assert ema.step == 3
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
+    bias.data = good
+    ema.update(model)  # and it goes on from there
+    assert ema.step == 4

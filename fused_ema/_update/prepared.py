@@ -16,6 +16,13 @@ from .plan import UpdatePlan
 
 # How a run moves the step counters (csrc/prepared_update.h's StepMode).
 ADVANCE, SET, KEEP = 0, 1, 2
+
+
+def step_mode(step) -> tuple[int, int]:
+    """How a run moves the counters for update(step=`step`), an int or None."""
+    return (ADVANCE, 0) if step is None else (SET, step)
+
+
 # The fused call a device group makes (csrc/prepared_update.h's FusedKind).
 _LERP, _LERP_STOCHASTIC, _LERP_MANY, _LERP_MANY_STOCHASTIC, _BEMA = range(5)
 # Tensors the extension may hold and run without Python: no subclass dispatches through Python.

@@ -142,8 +142,7 @@ class Updater:
         for schedule in schedules:
             schedule.commit()  # a step an interrupted update left begun is final
             schedule.note_capture()
-        mode, value = (prep.ADVANCE, 0) if step is None else (prep.SET, step)
-        return prepared.run(cache, model, mode, value, False)
+        return prepared.run(cache, model, *prep.step_mode(step), False)
 
     def _prepared_for(self, plan, model, walk: list):
         """The prepared form of `plan` for a blocking update, or None where it has none."""
@@ -193,10 +192,8 @@ class Updater:
             if prepared is not None:
                 # One call, all or nothing, the counters moved inside it: its count of runs tells
                 # which, whatever interrupts it.
-                if step is None:
-                    mode, value = prep.ADVANCE, 0
-                elif not isinstance(step, torch.Tensor):
-                    mode, value = prep.SET, step
+                if not isinstance(step, torch.Tensor):
+                    mode, value = prep.step_mode(step)
                 else:  # read in Python: begin() sets the counters, the run keeps them
                     mode, value = prep.KEEP, 0
                     for schedule in schedules:
