@@ -3,11 +3,11 @@ nn.LayerNorm(4) in nested containers, float32, CPU), where the cost is all bookk
 kernel over the tensors ModelEma.update averages (its EMA tensors, the model's parameters), the same
 call with weight 0 (its checks, plan and bookkeeping without the kernel), the same elements as
 one flat tensor (the kernel's memory traffic without any per-tensor work), foreach,
-ModelEma.update, and the check that the model still holds the planned tensors: the cached one an
-unchanged model takes (_C.walk_unchanged) and the full one a changed model falls back to
-(_C.tensor_walk + walk_matches + take). Medians of interleaved runs of this thread's CPU time, on
-one torch thread: on a shared machine, wall time and OpenMP barriers would measure the other
-tenants instead of the bookkeeping.
+ModelEma.update, and the check that the model still holds the planned tensor objects (what they
+hold, the prepared update checks): the cached one an unchanged model takes (_C.walk_unchanged) and
+the full one a changed model falls back to (_C.tensor_walk + walk_matches + take). Medians of
+interleaved runs of this thread's CPU time, on one torch thread: on a shared machine, wall time
+and OpenMP barriers would measure the other tenants instead of the bookkeeping.
 
 Before Python 3.12 there is no walk cache (it watches the model's dicts with CPython's dict
 watchers, new in 3.12): every update takes the full walk check, and the cached one is reported
@@ -80,7 +80,6 @@ def steps(model: nn.Module) -> tuple[dict, dict]:
     flat_src = torch.cat([t.detach().reshape(-1) for t in src])
     walk = _C.tensor_walk(model, True)
     refs = tuple(None if t is None else weakref.ref(t) for t in walk)
-    signature = _C.walk_signature(walk)
     indices = tuple(i for i, t in enumerate(walk) if t is not None)
     cache = _C.walk_cache(model, True, walk)  # None where this Python has no walk cache
     unavailable = {}
@@ -89,7 +88,7 @@ def steps(model: nn.Module) -> tuple[dict, dict]:
 
     def walk_check():
         current = _C.tensor_walk(model, True)
-        assert _C.walk_matches(current, refs, signature)
+        assert _C.walk_matches(current, refs)
         _C.take(current, indices)
 
     def cached_check():

@@ -28,10 +28,8 @@ namespace fused_ema {
 // python_walk.cpp
 PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs);
 PyObject* python_named_walk(PyObject* module, PyObject* args);
-PyObject* python_walk_signature(PyObject* module, PyObject* walk);
 PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
-PyObject* python_walk_agrees(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 // python_walk_cache.cpp
 PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
@@ -131,15 +129,9 @@ PyMethodDef kMethods[] = {
      "(full name, value, is_parameter), each module's names prefixed as named_modules first "
      "reaches it; every_path=True: a module reachable by several paths is walked along each, "
      "as state_dict() names it."},
-    {"walk_signature", fused_ema::python_walk_signature, METH_O,
-     "walk_signature(walk: list) -> bytes: each item's Python type, dtype, layout, device and "
-     "sizes, or a None marker."},
     {"walk_matches", reinterpret_cast<PyCFunction>(fused_ema::python_walk_matches), METH_FASTCALL,
-     "walk_matches(walk: list, refs: tuple, signature: bytes) -> bool: every refs[i] is None with "
-     "walk[i] None or a weakref.ref to walk[i] itself, and walk_signature(walk) == signature."},
-    {"walk_agrees", reinterpret_cast<PyCFunction>(fused_ema::python_walk_agrees), METH_FASTCALL,
-     "walk_agrees(values: list, walk: list) -> bool: as many items, and each None where walk's "
-     "is None, else a tensor of walk[i]'s dtype, layout, device and sizes (any tensor type)."},
+     "walk_matches(walk: list, refs: tuple) -> bool: every refs[i] is None with walk[i] None or a "
+     "weakref.ref to walk[i] itself."},
     {"take", reinterpret_cast<PyCFunction>(fused_ema::python_take), METH_FASTCALL,
      "take(walk: list, indices: tuple[int, ...]) -> list: [walk[i] for i in indices]."},
     {"walk_cache", reinterpret_cast<PyCFunction>(fused_ema::python_walk_cache), METH_FASTCALL,
@@ -148,7 +140,7 @@ PyMethodDef kMethods[] = {
     {"walk_unchanged", reinterpret_cast<PyCFunction>(fused_ema::python_walk_unchanged),
      METH_FASTCALL,
      "walk_unchanged(cache, model) -> list | None: the cached walk, as a new list, if nothing it "
-     "read changed and every item keeps its signature; else None."},
+     "read changed; else None."},
     {"run_prepared", reinterpret_cast<PyCFunction>(fused_ema::python_run_prepared), METH_FASTCALL,
      "run_prepared(handle, cache, model, mode, step, replan) -> bool: one update by a prepared "
      "plan (mode 0 advance, 1 set to step, 2 keep the counters); False, having changed nothing, "

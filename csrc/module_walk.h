@@ -8,10 +8,22 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <new>
 #include <utility>
 #include <vector>
 
 namespace fused_ema {
+
+// Runs a CPython entry point's body; a C++ allocation failure becomes Python's MemoryError (no C++
+// exception may cross into the interpreter).
+template <typename Body>
+PyObject* python_entry(Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+}
 
 // The instance-dict keys the walk reads, interned once.
 struct WalkNames {

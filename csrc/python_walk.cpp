@@ -4,7 +4,6 @@
 // fused_ema._C.named_walk: the same walk with every item's full name, for building a plan; with
 // every_path, also the names a module reachable by several paths has under each (state_dict's).
 #include <Python.h>
-#include <torch/csrc/Exceptions.h>
 
 #include <cstdint>
 #include <utility>
@@ -133,43 +132,44 @@ class NamedVisitor {
 }  // namespace
 
 PyObject* python_named_walk(PyObject* /*module*/, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject* model = nullptr;
-  int with_buffers = 1;
-  int every_path = 0;
-  if (!PyArg_ParseTuple(args, "O|pp:named_walk", &model, &with_buffers, &every_path)) {
-    return nullptr;
-  }
-  NamedVisitor walk;
-  if (!walk.ready() || !walk_modules(model, with_buffers != 0, walk, every_path != 0)) {
-    return nullptr;
-  }
-  return walk.release();
-  END_HANDLE_TH_ERRORS
+  return python_entry([&]() -> PyObject* {
+    PyObject* model = nullptr;
+    int with_buffers = 1;
+    int every_path = 0;
+    if (!PyArg_ParseTuple(args, "O|pp:named_walk", &model, &with_buffers, &every_path)) {
+      return nullptr;
+    }
+    NamedVisitor walk;
+    if (!walk.ready() || !walk_modules(model, with_buffers != 0, walk, every_path != 0)) {
+      return nullptr;
+    }
+    return walk.release();
+  });
 }
 
 PyObject* python_tensor_walk(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
-  HANDLE_TH_ERRORS
-  static const char* kKeywords[] = {"model", "with_buffers", "names", nullptr};
-  PyObject* model = nullptr;
-  int with_buffers = 1;
-  int names = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|pp:tensor_walk", const_cast<char**>(kKeywords),
-                                   &model, &with_buffers, &names)) {
-    return nullptr;
-  }
-  ListVisitor walk;
-  if (!walk_modules(model, with_buffers != 0, walk)) {
-    return nullptr;
-  }
-  const uint64_t hash = walk.names_hash();
-  PyObject* list = walk.to_list();
-  if (list == nullptr || !names) {
-    return list;
-  }
-  // With names=True: (list, hash of every name in walk order), for a cheap rename check.
-  return Py_BuildValue("(NK)", list, static_cast<unsigned long long>(hash));
-  END_HANDLE_TH_ERRORS
+  return python_entry([&]() -> PyObject* {
+    static const char* kKeywords[] = {"model", "with_buffers", "names", nullptr};
+    PyObject* model = nullptr;
+    int with_buffers = 1;
+    int names = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|pp:tensor_walk",
+                                     const_cast<char**>(kKeywords), &model, &with_buffers,
+                                     &names)) {
+      return nullptr;
+    }
+    ListVisitor walk;
+    if (!walk_modules(model, with_buffers != 0, walk)) {
+      return nullptr;
+    }
+    const uint64_t hash = walk.names_hash();
+    PyObject* list = walk.to_list();
+    if (list == nullptr || !names) {
+      return list;
+    }
+    // With names=True: (list, hash of every name in walk order), for a cheap rename check.
+    return Py_BuildValue("(NK)", list, static_cast<unsigned long long>(hash));
+  });
 }
 
 }  // namespace fused_ema

@@ -1,10 +1,9 @@
 // fused_ema._C.walk_cache / walk_unchanged: an update's walk of the model without walking it.
 // The cache records what the walk (module_walk.h) read and watches every dict it read with
-// CPython's dict watchers (3.12+), so an unchanged model is confirmed by one flag and a signature
-// compare per tensor. Older Pythons have no watchers: there is no cache and every update takes the
-// full walk (python_walk.cpp) and its check (python_walk_check.cpp).
+// CPython's dict watchers (3.12+), so that one flag confirms the model holds the same objects.
+// Older Pythons have no watchers: there is no cache and every update takes the full walk
+// (python_walk.cpp) and its check (python_walk_check.cpp).
 #include <Python.h>
-#include <torch/csrc/Exceptions.h>
 
 #include <algorithm>
 #include <memory>
@@ -12,7 +11,6 @@
 #include <vector>
 
 #include "module_walk.h"
-#include "walk_item.h"
 
 namespace fused_ema {
 
@@ -118,16 +116,14 @@ class WalkCache {
   }
   bool child(PyObject* /*name*/, PyObject* /*child*/, size_t& /*tag*/) { return true; }
 
-  // Whether the recorded walk is `walk` item for item; then records each item's signature and
-  // starts watching the dicts read. False (no error set) where the cache cannot be used.
+  // Whether the recorded walk is `walk` item for item; then starts watching the dicts read.
+  // False (no error set) where the cache cannot be used.
   bool finish(PyObject* walk) {
     if (static_cast<size_t>(PyList_GET_SIZE(walk)) != items_.size()) {
       return false;
     }
     for (size_t k = 0; k < items_.size(); ++k) {
-      if (PyList_GET_ITEM(walk, static_cast<Py_ssize_t>(k)) != items_[k] ||
-          !append_signature(items_[k], signature_)) {
-        PyErr_Clear();
+      if (PyList_GET_ITEM(walk, static_cast<Py_ssize_t>(k)) != items_[k]) {
         return false;
       }
     }
@@ -145,31 +141,16 @@ class WalkCache {
 
   void invalidate() { changed_ = true; }
 
-  // Fills `out` (a new list of items() slots) with the walk of `model` if no dict the walk read
-  // has changed (every one of them is alive then, and so is all it holds), no buffer changed its
-  // persistence and every item keeps its signature. False (no error set) otherwise.
+  // Fills `out` (a new list of items() slots) with the walk of `model` if fresh(model).
   bool unchanged(PyObject* model, PyObject* out) const {
-    if (changed_ || model != root_) {
+    if (!fresh(model)) {
       return false;
     }
-    for (const Persistence& p : persistence_) {
-      if (!same_persistence(p)) {
-        return false;
-      }
-    }
-    const char* cursor = signature_.data();
-    const char* const end = cursor + signature_.size();
     for (size_t k = 0; k < items_.size(); ++k) {
-      PyObject* item = items_[k];
-      Py_INCREF(item);
-      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), item);
-      bool error = false;
-      if (!item_matches(item, cursor, end, error)) {
-        PyErr_Clear();
-        return false;
-      }
+      Py_INCREF(items_[k]);
+      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), items_[k]);
     }
-    return cursor == end;
+    return true;
   }
 
   size_t items() const { return items_.size(); }
@@ -260,7 +241,6 @@ class WalkCache {
   std::vector<Persistence> persistence_;
   std::vector<char> flags_;
   std::vector<PyObject*> items_;  // the walk
-  std::vector<char> signature_;   // walk_signature(walk)
 };
 
 bool DictWatch::walk_key(PyObject* key) {
@@ -303,30 +283,30 @@ void destroy(PyObject* capsule) {
 #endif
 
 PyObject* python_walk_cache(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  if (nargs != 3 || !PyList_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "walk_cache(model, with_buffers: bool, walk: list)");
-    return nullptr;
-  }
-  const int with_buffers = PyObject_IsTrue(args[1]);
-  if (with_buffers < 0) {
-    return nullptr;
-  }
-#if FUSED_EMA_WALK_CACHE
-  auto cache = std::make_unique<WalkCache>(with_buffers != 0);
-  if (walk_modules(args[0], with_buffers != 0, *cache) && cache->finish(args[2])) {
-    PyObject* capsule = PyCapsule_New(cache.get(), kCapsule, destroy);
-    if (capsule != nullptr) {
-      cache.release();
+  return python_entry([&]() -> PyObject* {
+    if (nargs != 3 || !PyList_Check(args[2])) {
+      PyErr_SetString(PyExc_TypeError, "walk_cache(model, with_buffers: bool, walk: list)");
+      return nullptr;
     }
-    return capsule;
-  }
-  if (PyErr_Occurred()) {
-    return nullptr;
-  }
+    const int with_buffers = PyObject_IsTrue(args[1]);
+    if (with_buffers < 0) {
+      return nullptr;
+    }
+#if FUSED_EMA_WALK_CACHE
+    auto cache = std::make_unique<WalkCache>(with_buffers != 0);
+    if (walk_modules(args[0], with_buffers != 0, *cache) && cache->finish(args[2])) {
+      PyObject* capsule = PyCapsule_New(cache.get(), kCapsule, destroy);
+      if (capsule != nullptr) {
+        cache.release();
+      }
+      return capsule;
+    }
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
 #endif
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
+    Py_RETURN_NONE;
+  });
 }
 
 bool walk_cache_fresh(PyObject* cache, PyObject* model) {
@@ -340,7 +320,6 @@ bool walk_cache_fresh(PyObject* cache, PyObject* model) {
 }
 
 PyObject* python_walk_unchanged(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "walk_unchanged(cache, model)");
     return nullptr;
@@ -364,7 +343,6 @@ PyObject* python_walk_unchanged(PyObject* /*module*/, PyObject* const* args, Py_
   PyErr_SetString(PyExc_RuntimeError, "walk_unchanged: no walk cache on this Python (3.12+)");
   return nullptr;
 #endif
-  END_HANDLE_TH_ERRORS
 }
 
 }  // namespace fused_ema

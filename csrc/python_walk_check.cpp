@@ -1,15 +1,7 @@
-// fused_ema._C.walk_signature / walk_matches / take: whether a walk of the model holds the very
-// tensor objects (and types, dtypes, devices, shapes) an update plan was built for, compared and
-// indexed without allocating; walk_agrees: whether a compiled program's values line up with it.
+// fused_ema._C.walk_matches / take: whether a walk of the model holds the very objects an update
+// plan was built for, compared and indexed without allocating. Only object identity: what a tensor
+// holds (dtype, shape, storage) is checked where it is read, by the prepared update or in Python.
 #include <Python.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/python_variable.h>
-
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-#include "walk_item.h"
 
 namespace fused_ema {
 namespace {
@@ -39,43 +31,21 @@ PyObject* referent(PyObject* ref) {
 
 }  // namespace
 
-PyObject* python_walk_signature(PyObject* /*module*/, PyObject* walk) {
-  HANDLE_TH_ERRORS
-  if (!check_type(walk, PyList_Check(walk), "a list")) {
-    return nullptr;
-  }
-  std::vector<char> bytes;
-  bytes.reserve(static_cast<size_t>(PyList_GET_SIZE(walk)) * (sizeof(ItemHeader) + 16));
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(walk); ++i) {
-    if (!append_signature(PyList_GET_ITEM(walk, i), bytes)) {
-      return nullptr;
-    }
-  }
-  return PyBytes_FromStringAndSize(bytes.data(), static_cast<Py_ssize_t>(bytes.size()));
-  END_HANDLE_TH_ERRORS
-}
-
 PyObject* python_walk_matches(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  if (nargs != 3) {
-    PyErr_Format(PyExc_TypeError, "walk_matches(walk, refs, signature) takes 3 arguments (%zd)",
-                 nargs);
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "walk_matches(walk, refs) takes 2 arguments (%zd)", nargs);
     return nullptr;
   }
   PyObject* walk = args[0];
   PyObject* refs = args[1];
-  PyObject* signature = args[2];
   if (!check_type(walk, PyList_Check(walk), "a list (walk)") ||
-      !check_type(refs, PyTuple_Check(refs), "a tuple (refs)") ||
-      !check_type(signature, PyBytes_Check(signature), "bytes (signature)")) {
+      !check_type(refs, PyTuple_Check(refs), "a tuple (refs)")) {
     return nullptr;
   }
   const Py_ssize_t n = PyList_GET_SIZE(walk);
   if (PyTuple_GET_SIZE(refs) != n) {
     Py_RETURN_FALSE;
   }
-  const char* cursor = PyBytes_AS_STRING(signature);
-  const char* const end = cursor + PyBytes_GET_SIZE(signature);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(walk, i);
     PyObject* ref = PyTuple_GET_ITEM(refs, i);
@@ -91,58 +61,8 @@ PyObject* python_walk_matches(PyObject* /*module*/, PyObject* const* args, Py_ss
         Py_RETURN_FALSE;
       }
     }
-    bool error = false;
-    if (!item_matches(item, cursor, end, error)) {
-      if (error) {
-        return nullptr;
-      }
-      Py_RETURN_FALSE;
-    }
-  }
-  if (cursor != end) {
-    Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* python_walk_agrees(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  if (nargs != 2) {
-    PyErr_Format(PyExc_TypeError, "walk_agrees(values, walk) takes 2 arguments (%zd)", nargs);
-    return nullptr;
-  }
-  PyObject* values = args[0];
-  PyObject* walk = args[1];
-  if (!check_type(values, PyList_Check(values), "a list (values)") ||
-      !check_type(walk, PyList_Check(walk), "a list (walk)")) {
-    return nullptr;
-  }
-  const Py_ssize_t n = PyList_GET_SIZE(walk);
-  if (PyList_GET_SIZE(values) != n) {
-    Py_RETURN_FALSE;
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    ItemHeader ours;
-    ItemHeader theirs;
-    c10::IntArrayRef our_sizes;
-    c10::IntArrayRef their_sizes;
-    if (!describe_item(PyList_GET_ITEM(values, i), ours, our_sizes) ||
-        !describe_item(PyList_GET_ITEM(walk, i), theirs, their_sizes)) {
-      return nullptr;
-    }
-    // A compiled program passes plain tensors where the model holds parameters: the Python type
-    // is left out, a None against a tensor is not.
-    if ((ours.type == 0) != (theirs.type == 0)) {
-      Py_RETURN_FALSE;
-    }
-    ours.type = theirs.type = 0;
-    if (std::memcmp(&ours, &theirs, sizeof(ours)) != 0 || our_sizes != their_sizes) {
-      Py_RETURN_FALSE;
-    }
-  }
-  Py_RETURN_TRUE;
-  END_HANDLE_TH_ERRORS
 }
 
 PyObject* python_take(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {

@@ -1,7 +1,8 @@
 """_C.walk_cache / walk_unchanged and the update path that uses them: after every kind of change
-to a model the cache answers None (and the update walks the model again), never a walk that
-differs from tensor_walk's; an untouched or in-place-updated model keeps being confirmed without
-a walk; and a ModelEma that uses the cache behaves bit for bit like one that walks every time."""
+to a model the cache answers None (and the update walks the model again) or, where the model holds
+the same objects, the plan's tensor check refuses its walk; never a walk that differs from
+tensor_walk's. An untouched or in-place-updated model keeps being confirmed without a walk, and
+a ModelEma that uses the cache behaves bit for bit like one that walks every time."""
 
 import contextlib
 import copy
@@ -19,6 +20,7 @@ from torch import nn
 import fused_ema
 from fused_ema import _C
 from fused_ema._update import plan as _plan
+from fused_ema._update.plan import walk_signature
 
 # The cache watches dicts with CPython's dict watchers (3.12+); older Pythons walk every update,
 # and the structure-change tests of the update itself (tests/test_ema_structure.py and the
@@ -57,7 +59,7 @@ def new_param(p: torch.Tensor) -> nn.Parameter:
 
 
 # Changes to a model, each applied to the net above. "structural" ones change what the walk finds
-# (its objects, their order, or an item's signature); the cache must answer None after them.
+# (its objects, their order, or an item's signature); confirmed() must answer None after them.
 STRUCTURAL = {
     "setattr parameter": lambda m: setattr(m[0], "weight", new_param(m[0].weight)),
     "register_parameter": lambda m: m[1][0].register_parameter("extra", new_param(torch.ones(3))),
@@ -108,7 +110,14 @@ def cached(model: nn.Module, with_buffers: bool = True):
     walk = _C.tensor_walk(model, with_buffers)
     cache = _C.walk_cache(model, with_buffers, walk)
     assert cache is not None
-    return cache, walk, _C.walk_signature(walk)
+    return cache, walk, walk_signature(walk)
+
+
+def confirmed(cache, model: nn.Module, signature: list):
+    """What an update takes for the model's walk without walking it: the cache's, if its tensors
+    keep the signature the plan was built for (UpdatePlan.same_tensors)."""
+    got = _C.walk_unchanged(cache, model)
+    return got if got is not None and walk_signature(got) == signature else None
 
 
 @needs_cache
@@ -122,7 +131,7 @@ def test_unchanged_models_are_confirmed_without_a_walk(change, with_buffers):
         got = _C.walk_unchanged(cache, model)
         assert got is not None and got is not walk
         assert same_objects(got, walk) and same_objects(got, _C.tensor_walk(model, with_buffers))
-        assert _C.walk_signature(got) == signature
+        assert walk_signature(got) == signature
 
 
 @needs_cache
@@ -130,12 +139,12 @@ def test_unchanged_models_are_confirmed_without_a_walk(change, with_buffers):
 def test_every_structure_change_is_caught(change):
     model = net()
     cache, walk, signature = cached(model)
-    assert _C.walk_unchanged(cache, model) is not None
+    assert confirmed(cache, model, signature) is not None
     STRUCTURAL[change](model)
     now = _C.tensor_walk(model)
-    assert not (same_objects(now, walk) and _C.walk_signature(now) == signature)  # it did change
-    assert _C.walk_unchanged(cache, model) is None
-    assert _C.walk_unchanged(cache, model) is None
+    assert not (same_objects(now, walk) and walk_signature(now) == signature)  # it did change
+    assert confirmed(cache, model, signature) is None
+    assert confirmed(cache, model, signature) is None
 
 
 @needs_cache
@@ -217,17 +226,17 @@ def test_a_confirmed_walk_is_always_the_models_walk(changes, with_buffers):
         if change == "refresh":
             walk = _C.tensor_walk(model, with_buffers)
             cache = _C.walk_cache(model, with_buffers, walk)
-            signature = _C.walk_signature(walk)
+            signature = walk_signature(walk)
             if cache is None:
                 return
             continue
         with contextlib.suppress(Exception):  # some changes do not apply after others
             (STRUCTURAL.get(change) or HARMLESS[change])(model)
-        got = _C.walk_unchanged(cache, model)
+        got = confirmed(cache, model, signature)
         now = _C.tensor_walk(model, with_buffers)
         if got is not None:  # the cache may give up after a harmless change, never the reverse
             assert same_objects(got, now) and same_objects(got, walk)
-            assert _C.walk_signature(now) == signature
+            assert walk_signature(now) == signature
 
 
 # ---------------------------------------------------------------------- through ModelEma
@@ -280,8 +289,10 @@ def test_model_ema_with_the_cache_behaves_as_without(change, on_mismatch):
     before = state(cached_ema)
     with torch.no_grad():
         STRUCTURAL.get(change, HARMLESS.get(change))(model)
-    if change in STRUCTURAL:
-        assert cached_ema._binding.plan.unchanged_walk(model) is None
+    if change in STRUCTURAL:  # the cache gives up, or the plan refuses the tensors it finds
+        plan = cached_ema._binding.plan
+        walk = plan.unchanged_walk(model)
+        assert walk is None or not plan.same_tensors(walk)
     for _ in range(2):
         outcome = update(cached_ema, model)
         with no_walk_cache():

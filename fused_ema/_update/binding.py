@@ -75,7 +75,8 @@ class Binding:
 
     def walk(self, model, snapshot) -> tuple[list, int | None]:
         """The model's walk and the hash of its names; the hash is None when the current plan
-        (for `snapshot`) vouches, through what its last walk read, that the model is unchanged."""
+        (for `snapshot`) vouches, through what its last walk read, that the model holds the same
+        tensor objects under the same names."""
         plan = self.plan
         if plan is not None and plan.snapshot == snapshot:
             walk = plan.unchanged_walk(model)
@@ -87,15 +88,20 @@ class Binding:
         """Whether the current plan (for `snapshot`) may be used when the model is unchanged."""
         return self.plan is not None and self.plan.snapshot == snapshot
 
-    def plan_for(self, ema, model, walk, names, snapshot, schedule):
+    def plan_for(self, ema, model, walk, names, snapshot, schedule, trusted: bool = False):
         """The plan for this walk of `model` (from walk()), and how to undo what was needed to
-        make it (None when the current plan fits)."""
+        make it (None when the current plan fits). `trusted`: the prepared update checks what the
+        tensors hold, so the plan need only hold the same objects."""
         plan = self.plan
-        if names is None:
-            return plan, None
-        if plan is not None and plan.snapshot == snapshot and plan.matches(walk, names):
-            plan.remember(model, walk, self.with_buffers)
-            return plan, None
+        if plan is not None and plan.snapshot == snapshot:
+            if (names is None or plan.matches(walk, names)) and (
+                trusted or plan.same_tensors(walk)
+            ):
+                if names is not None:
+                    plan.remember(model, walk, self.with_buffers)
+                return plan, None
+        if names is None:  # the plan's objects, holding other tensors: planned again
+            names = _C.tensor_walk(model, self.with_buffers, True)[1]
         tracked = self.tracked(model)
         refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
         table = self.table

@@ -26,11 +26,28 @@ from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochast
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
 
-walk_signature = _C.walk_signature
 walk_matches = _C.walk_matches
 take = _C.take
 walk_cache = _C.walk_cache
 walk_unchanged = _C.walk_unchanged
+
+
+def walk_signature(walk: list) -> list:
+    """What a plan relies on in each walk item besides its identity, which `.data =`, `resize_` or
+    `.to()` can change: its Python type, dtype, layout, device and shape (None stays None)."""
+    return [None if t is None else (type(t), t.dtype, t.layout, t.device, t.shape) for t in walk]
+
+
+def walk_agrees(values: list, walk: list) -> bool:
+    """Whether a compiled program's values line up with the walk: None where it holds None, else a
+    tensor of the item's dtype, layout, device and shape (a program passes plain tensors where the
+    model holds parameters, so the type is left out)."""
+    return len(values) == len(walk) and all(
+        v is t is None
+        or (v is not None and t is not None)
+        and (v.dtype, v.layout, v.device, v.shape) == (t.dtype, t.layout, t.device, t.shape)
+        for v, t in zip(values, walk)
+    )
 
 
 def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
@@ -270,16 +287,21 @@ class UpdatePlan:
         self._walk_cache = walk_cache(model, with_buffers, walk)
 
     def unchanged_walk(self, model) -> list | None:
-        """The walk of `model` if nothing the remembered walk read has changed since (no dict of
-        a module written, every tensor of the same type, dtype, layout, device and shape): then
-        the plan matches it. None when that cannot be told without walking."""
+        """The walk of `model` if no dict the remembered walk read has changed since: then the
+        model holds this plan's tensor objects under its names (same_tensors() tells whether
+        they still hold what it was built for). None when that cannot be told without walking."""
         cache = self._walk_cache
         return None if cache is None else walk_unchanged(cache, model)
 
     def matches(self, walk: list, names: int) -> bool:
         """Whether the model holds exactly the tensor objects this plan was built for, under the
-        same names, with the same types, dtypes, devices and shapes."""
-        return names == self.names and walk_matches(walk, self.refs, self.signature)
+        same names."""
+        return names == self.names and walk_matches(walk, self.refs)
+
+    def same_tensors(self, walk: list) -> bool:
+        """Whether the walk's tensors (this plan's objects) keep their types, dtypes, layouts,
+        devices and shapes."""
+        return walk_signature(walk) == self.signature
 
     @property
     def has_staging(self) -> bool:

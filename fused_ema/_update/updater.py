@@ -18,8 +18,11 @@ from .._model.swap import Swap, check_writable
 from .._model.walk import tensor_walk
 from . import prepared as prep
 from .nonblocking import AsyncRunner
+from .plan import walk_agrees
 
-walk_agrees = _C.walk_agrees
+
+class _Declined(Exception):
+    """A prepared update found a tensor no longer what it was planned for, and changed nothing."""
 
 
 def _dispatch_modes() -> bool:
@@ -119,7 +122,12 @@ class Updater:
         walk, names = self.binding.walk(model, non_blocking)
         if names is None and any(not f.binding.vouches(non_blocking) for f in self.followers):
             walk, names = _C.tensor_walk(model, self.binding.with_buffers, True)  # to plan with
-        if without_grad(self._update, ema, model, walk, names, step, non_blocking, values):
+        args = (ema, model, walk, names, step, non_blocking, values)
+        try:
+            done = without_grad(self._update, *args, self._prepared_current(non_blocking, values))
+        except _Declined:  # checked in Python now: a tensor changed, or only where it lives
+            done = without_grad(self._update, *args, False)
+        if done:
             self._commit()
 
     def _schedules(self) -> list:
@@ -144,6 +152,14 @@ class Updater:
             schedule.note_capture()
         return prepared.run(cache, model, *prep.step_mode(step), False)
 
+    def _prepared_current(self, non_blocking: bool, values) -> bool:
+        """Whether this update can run the prepared update of the present plans, which checks
+        every tensor itself."""
+        prepared = self.prepared
+        if non_blocking or values is not None or prepared is None or _dispatch_modes():
+            return False
+        return prepared.current(self._plans(), self._schedules())
+
     def _prepared_for(self, plan, model, walk: list):
         """The prepared form of `plan` for a blocking update, or None where it has none."""
         if _dispatch_modes():
@@ -160,9 +176,10 @@ class Updater:
         self.prepared = prep.Prepared(plan, plans, schedules, model, walk)
         return self.prepared
 
-    def _update(self, ema, model, walk, names, step, non_blocking: bool, values) -> bool:
+    def _update(self, ema, model, walk, names, step, non_blocking: bool, values, trusted) -> bool:
         """update() with autograd off; False when the worker finishes it (synchronize() then
-        commits or rolls back)."""
+        commits or rolls back). `trusted`: the plans are prepared, and the prepared update checks
+        the tensors (raising _Declined, having changed nothing, where one changed)."""
         schedules = [self.schedule] + [f.schedule for f in self.followers]
         for schedule in schedules:
             # A step begun by an update that landed whole but was interrupted before it could
@@ -170,13 +187,15 @@ class Updater:
             schedule.commit()
         plan, undos, wrote = None, [], lambda: False
         try:
-            plan, undo = self.binding.plan_for(ema, model, walk, names, non_blocking, self.schedule)
+            plan, undo = self.binding.plan_for(
+                ema, model, walk, names, non_blocking, self.schedule, trusted
+            )
             undos.append(undo)
             if self.followers:
                 plans = []
                 for f in self.followers:
                     follower_plan, undo = f.binding.plan_for(
-                        f.ema_ref(), model, walk, names, non_blocking, f.schedule
+                        f.ema_ref(), model, walk, names, non_blocking, f.schedule, trusted
                     )
                     undos.append(undo)
                     plans.append(follower_plan)
@@ -202,7 +221,8 @@ class Updater:
                     schedule.note_capture()
                 runs = prepared.runs()
                 wrote = lambda: prepared.runs() != runs  # noqa: E731
-                prepared.run(None, None, mode, value, True)
+                if not prepared.run(None, None, mode, value, not trusted):
+                    raise _Declined
                 return True
             for schedule in schedules:
                 schedule.begin(step)
