@@ -96,6 +96,27 @@ def test_every_kind_of_value_matches_reference_on_the_vector_path(pair, weight, 
     assert_bitwise(ema, want)
 
 
+@pytest.mark.parametrize("weight", [0.3, 1.0])
+def test_float16_subnormals_in_every_lane_match_reference(weight, cpu_isa):
+    """Blocks made of float16 subnormals and zeros (the AVX paths round them in float arithmetic
+    of their own): random magnitudes from 2**-34 up to the first normal, 2**-14, either sign, with
+    float32 subnormals, the exact steps 2**-24 * k and the values next to the first normal."""
+    g = torch.Generator().manual_seed(12)
+    exponent = torch.empty(8192).uniform_(-34, -14, generator=g)
+    values = (2.0**exponent) * (torch.randint(0, 2, (8192,), generator=g) * 2 - 1)
+    values[::7] = torch.randint(0, 1024, (1171,), generator=g) * 2.0**-24  # on a step
+    values[::11] = 0.0
+    values[5::13] = torch.tensor(1e-40)  # a float32 subnormal
+    near = torch.tensor(2.0**-14)
+    values[3::17] = torch.nextafter(near, torch.tensor(0.0))
+    values[4::17] = near
+    ema = [torch.randn(8192, generator=g).mul(2.0**-16).to(torch.float16)]
+    src = [values]
+    want = expected(ema, src, weight, 3, 8, [5], [0])
+    fused_ema.lerp_stochastic_(ema, src, weight, seed=3, step=8, keys=[5])
+    assert_bitwise(ema, want)
+
+
 def test_defaults_and_tensor_arguments():
     ema, src = make_lists([1000, 33], (torch.bfloat16, torch.bfloat16), seed=2)
     other = [e.clone() for e in ema]

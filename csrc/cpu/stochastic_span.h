@@ -62,11 +62,6 @@ inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
   lo = (Lanes)_mm512_cvtepu16_epi32(_mm512_castsi512_si256((VecU)bits));
   hi = (Lanes)_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((VecU)bits, 1));
 }
-// float16 bits of the floats `bits`, rounded toward zero.
-inline Lanes f16_toward_zero(Lanes bits) {
-  const __m256i half = _mm512_cvtps_ph(_mm512_castsi512_ps((VecU)bits), _MM_FROUND_TO_ZERO);
-  return (Lanes)_mm512_cvtepu16_epi32(half);
-}
 // Whether a lane of a is below b's, unsigned.
 inline bool any_below(Lanes a, Lanes b) { return _mm512_cmplt_epu32_mask((VecU)a, (VecU)b) != 0; }
 // 2 * kLanes 16-bit results from two vectors of 32-bit ones.
@@ -85,10 +80,6 @@ using Lanes = uint32_t __attribute__((vector_size(sizeof(VecU))));
 inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
   lo = (Lanes)_mm256_cvtepu16_epi32(_mm256_castsi256_si128((VecU)bits));
   hi = (Lanes)_mm256_cvtepu16_epi32(_mm256_extracti128_si256((VecU)bits, 1));
-}
-inline Lanes f16_toward_zero(Lanes bits) {
-  const __m128i half = _mm256_cvtps_ph(_mm256_castsi256_ps((VecU)bits), _MM_FROUND_TO_ZERO);
-  return (Lanes)_mm256_cvtepu16_epi32(half);
 }
 inline bool any_below(Lanes a, Lanes b) {
   const VecU not_below = _mm256_cmpeq_epi32(_mm256_max_epu32((VecU)a, (VecU)b), (VecU)a);
@@ -118,29 +109,36 @@ inline Lanes round_bf16_vec(Lanes bits, Lanes word) {
   return (bits & sr::kF32AbsMask) > sr::kF32Inf ? splat(sr::kBF16NaN) : (bits + word) >> 16;
 }
 
-// sr::round_f16, lane by lane, by the hardware's conversion toward zero: for a float16 normal,
-// word < 8 * dropped (its rule) exactly when the 13 dropped bits plus 0x1FFF - word / 8 carry into
-// the kept ones. Declines (false) where a lane holds a float16 subnormal, 0 < |r| < 2**-14.
-[[gnu::always_inline]] inline bool round_f16_vec(Lanes bits, Lanes word, Lanes& out) {
+// sr::round_f16 of float16 subnormals and zeros (`abs`, other lanes 0), lane by lane, in float
+// arithmetic that is exact: |r| * 2**24 counts the subnormal steps below |r|, its integer part is
+// the half below (half_bracket's low) and 16 bits of the rest its frac >> 16, the chance of
+// rounding up (a true comparison is all ones: subtracting it adds 1).
+[[gnu::always_inline]] inline Lanes round_f16_subnormal(Lanes abs, Lanes word) {
+  using Floats = float __attribute__((vector_size(sizeof(VecU))));
+  using Ints = int32_t __attribute__((vector_size(sizeof(VecU))));
+  const Floats steps = (Floats)abs * 0x1p24f;
+  const Ints low = __builtin_convertvector(steps, Ints);
+  const Floats rest = (steps - __builtin_convertvector(low, Floats)) * 0x1p16f;
+  const auto chance = (Lanes) __builtin_convertvector(rest, Ints);
+  return (Lanes)low - (Lanes)(word < chance);
+}
+
+// sr::round_f16, lane by lane: normals by the hardware's conversion toward zero (word < 8 *
+// dropped, its rule, exactly when the 13 dropped bits plus 0x1FFF - word / 8 carry into the kept
+// ones), subnormals by round_f16_subnormal.
+[[gnu::always_inline]] inline Lanes round_f16_vec(Lanes bits, Lanes word) {
   constexpr uint32_t kFirstNormal = sr::kF16FirstNormal << sr::kF32MantissaBits;
   constexpr uint32_t kOverflow = sr::kF16Overflow << sr::kF32MantissaBits;
   const Lanes abs = bits & sr::kF32AbsMask;
-  if (any_below(abs - 1u, splat(kFirstNormal - 1u))) {
-    return false;
-  }
   const Lanes nudged = abs + ((word >> 3) ^ sr::kF16DroppedMask);
-  Lanes half = nudged >= kOverflow ? splat(sr::kF16Inf) : f16_toward_zero(nudged);
-  half = abs > sr::kF32Inf ? splat(sr::kF16QuietNaN) : half;
-  out = ((bits & sr::kF32SignMask) >> 16) | half;
-  return true;
-}
-
-// The lanes round_f16_vec declines, one by one (rare).
-inline Lanes round_f16_lanes(Lanes bits, Lanes word) {
-  for (int j = 0; j < kLanes; ++j) {
-    bits[j] = sr::round_f16(bits[j], word[j]);
+  constexpr uint32_t kRebias = sr::kF16ExponentShift << sr::kF32MantissaBits;
+  Lanes half = nudged >= kOverflow ? splat(sr::kF16Inf) : (nudged - kRebias) >> sr::kF16DroppedBits;
+  if (any_below(abs, splat(kFirstNormal))) {  // rare at weight scale: cheaper than always
+    const Lanes subnormal = (Lanes)(abs < kFirstNormal);
+    half = subnormal ? round_f16_subnormal(abs & subnormal, word) : half;
   }
-  return bits;
+  half = abs > sr::kF32Inf ? splat(sr::kF16QuietNaN) : half;
+  return ((bits & sr::kF32SignMask) >> 16) | half;
 }
 
 template <typename E>
@@ -148,8 +146,7 @@ template <typename E>
   if constexpr (std::is_same_v<E, c10::BFloat16>) {
     return round_bf16_vec(bits, word);
   } else {
-    Lanes out;
-    return round_f16_vec(bits, word, out) ? out : round_f16_lanes(bits, word);
+    return round_f16_vec(bits, word);
   }
 }
 #endif
@@ -176,8 +173,8 @@ void sr_range(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStre
     load2(src + i, s0, s1);
     const Vec r0 = at::vec::fmadd(vcoeff, s0 - e0, kSmallWeight ? e0 : s0);
     const Vec r1 = at::vec::fmadd(vcoeff, s1 - e1, kSmallWeight ? e1 : s1);
-    store_bits(ema + i, round_vec<E>((Lanes)static_cast<VecF>(r0), w0),
-               round_vec<E>((Lanes)static_cast<VecF>(r1), w1));
+    store_bits(ema + i, round_vec<E>((Lanes) static_cast<VecF>(r0), w0),
+               round_vec<E>((Lanes) static_cast<VecF>(r1), w1));
   }
 #endif
   sr_scalar<E, S, kSmallWeight>(ema + i, src + i, n - i, coeff, st, first + i);
