@@ -220,3 +220,55 @@ def test_a_refusal_inside_the_prepared_call_changes_nothing():
     bias.data = good
     ema.update(model)  # and it goes on from there
     assert ema.step == 4
+
+
+def test_dtensor_shards_are_prepared_and_a_swapped_local_shard_is_followed():
+    """A model of Shard(0) DTensors (a fake 2-rank group, this rank 0) is averaged by the prepared
+    update, shard by shard, against a float64 reference of the local shards; replacing a DTensor's
+    _local_tensor (which only Python sees) makes the next update average the new shard."""
+    dist = pytest.importorskip("torch.distributed")
+    tensor_api = pytest.importorskip("torch.distributed.tensor")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        g = torch.Generator().manual_seed(21)
+
+        def shard(rows: int, full: tuple) -> nn.Parameter:
+            local = torch.randn(rows, full[1], generator=g)
+            dt = tensor_api.DTensor.from_local(
+                local, mesh, [tensor_api.Shard(0)], run_check=False, shape=full, stride=(full[1], 1)
+            )
+            return nn.Parameter(dt)
+
+        model = nn.Module()
+        model.a, model.b = shard(4, (7, 3)), shard(2, (4, 5))
+        ema, want = fused_ema.ModelEma(model, decay=DECAY), {}
+
+        def step():  # as Reference: the first update copies, the next ones lerp
+            with torch.no_grad():
+                for p in model.parameters():
+                    p._local_tensor.add_(torch.randn(p._local_tensor.shape, generator=g))
+            ema.update(model)
+            for n, p in model.named_parameters():
+                value = p._local_tensor.double()
+                want[n] = (
+                    value.clone() if n not in want else want[n] + (1 - DECAY) * (value - want[n])
+                )
+
+        for _ in range(3):
+            step()
+        prepared = ema._updater.prepared
+        assert prepared is not None and prepared.shards
+        step()
+        assert ema._updater.prepared is prepared  # the steady state: the same prepared update
+        model.a._local_tensor = torch.randn(4, 3, generator=g)  # a new local shard
+        step()
+        assert ema._updater.prepared is not prepared
+        got = ema.state_dict()["weights"]
+        for n in want:
+            torch.testing.assert_close(got[n]._local_tensor.double(), want[n], rtol=0, atol=1e-5)
+    finally:
+        dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """An update plan prepared in the extension (csrc/prepared_update.h): its tensors handed over once,
 then each update one call (_C.run_prepared) that checks every tensor is still what was planned,
-moves the schedules and runs every lerp and copy, refusing before the first write. Plans whose
-sources must be staged, cut or read from DTensor shards, and non_blocking or compiled updates,
-run as UpdatePlan.run / start do."""
+moves the schedules and runs every lerp and copy, refusing before the first write. A DTensor
+source is its local shard, held as it was when prepared: current() compares each DTensor's
+_local_tensor with it, since only Python sees that swap. Plans whose sources must be staged or cut,
+and non_blocking or compiled updates, run as UpdatePlan.run / start do."""
 
 from __future__ import annotations
 
@@ -33,11 +34,17 @@ class Prepared:
     """`plan` with `schedules` (one per EMA, the plan's order), prepared. `plan` joins `plans`,
     the plan of each EMA, when there are several (PostHocEma, Bema)."""
 
-    __slots__ = ("plans", "steps", "handle", "_free", "_with_model", "__weakref__")
+    __slots__ = ("plans", "steps", "shards", "handle", "_free", "_with_model", "__weakref__")
 
     def __init__(self, plan: UpdatePlan, plans: tuple, schedules: list, model, walk: list):
         self.plans = plans
         self.steps = tuple(s.step for s in schedules)  # Schedule.place() replaces them
+        # (DTensor, its local shard), both weakly: what the extension averages for a DTensor.
+        self.shards = tuple(
+            (weakref.ref(walk[i]), weakref.ref(walk[i]._local_tensor))
+            for group in plan.groups.values()
+            for i in group.shards
+        )
         tensors = [t for s in schedules for t in (s.step, s.out, s.config)]
         self.handle = torch.ops.fused_ema.prepared_new(tensors)
         self._free = weakref.finalize(self, _C.prepared_free, self.handle)
@@ -81,13 +88,14 @@ class Prepared:
         )
 
     def current(self, plans: tuple, schedules: list) -> bool:
-        """Whether this was prepared for the EMAs' present plans and schedule tensors, and its
-        model is alive."""
+        """Whether this was prepared for the EMAs' present plans and schedule tensors, its model
+        is alive and each DTensor source still holds the local shard prepared."""
         return (
             self._free.alive
             and len(plans) == len(self.plans) == len(schedules)
             and all(a is b for a, b in zip(plans, self.plans))
             and all(a is s.step for a, s in zip(self.steps, schedules))
+            and all(_local_of(d) is held() is not None for d, held in self.shards)
         )
 
     def run(self, cache, model, mode: int, step: int, replan: bool) -> bool:
@@ -110,7 +118,7 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
         return False
     place = schedules[0].step.device
     for group in plan.groups.values():
-        if group.shards or group.cuts or group.staged or group.wait_for:
+        if group.cuts or group.staged or group.wait_for:
             return False
         if place.type != "cpu" and place != group.device:
             return False
@@ -119,9 +127,17 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
                 return False
         if any(type(walk[i]) not in _PLAIN for i in group.direct):
             return False
+        if any(type(walk[i]._local_tensor) not in _PLAIN for i in group.shards):
+            return False
     for copies in plan.copies.values():
         if copies.staging or any(type(walk[i]) not in _PLAIN for i in copies.index):
             return False
         if any(type(e) not in _PLAIN for e in copies.ema):
             return False
     return True
+
+
+def _local_of(ref):
+    """The local shard of the DTensor `ref` refers to (None once it is gone)."""
+    dtensor = ref()
+    return None if dtensor is None else dtensor._local_tensor
