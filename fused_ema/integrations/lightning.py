@@ -134,33 +134,17 @@ class EMACallback(Callback):
 
     # ------------------------------------------------------------------ evaluation
 
-    def _swap_in(self, pl_module) -> None:
+    def on_validation_start(self, trainer, pl_module) -> None:
+        """Validation, test and predict run with the EMA weights swapped in (swap_eval)."""
         if not self.swap_eval:
             return
         self._bind(pl_module, create=False)
         if self.ema is not None:
             self._swap.enter(self.ema, pl_module)
 
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._swap_in(pl_module)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer, *args, **kwargs) -> None:
+        """The training weights back: when each evaluation ends, on an exception, at teardown."""
         self._swap.leave()
 
-    def on_test_start(self, trainer, pl_module) -> None:
-        self._swap_in(pl_module)
-
-    def on_test_end(self, trainer, pl_module) -> None:
-        self._swap.leave()
-
-    def on_predict_start(self, trainer, pl_module) -> None:
-        self._swap_in(pl_module)
-
-    def on_predict_end(self, trainer, pl_module) -> None:
-        self._swap.leave()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._swap.leave()
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._swap.leave()
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_exception = teardown = on_validation_end
