@@ -71,10 +71,6 @@ def snapshot_path(snapshot_dir, index: int, ema_index: int) -> Path:
     return Path(snapshot_dir) / f"{index:06d}-ema{ema_index}.safetensors"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def snapshot_metadata(
     *,
     index: int,
@@ -98,9 +94,7 @@ def snapshot_metadata(
         "index": str(index),
         "ema_index": str(ema_index),
         "names": json.dumps(list(names)),
-        "dtypes": json.dumps(
-            {n: dtypes[n] if isinstance(dtypes[n], str) else dtype_name(dtypes[n]) for n in names}
-        ),
+        "dtypes": json.dumps({n: str(dtypes[n]).removeprefix("torch.") for n in names}),
         "copied": json.dumps([n for n in names if n in copied]),
     }
 
@@ -267,13 +261,6 @@ def _read_header(path: Path):
     return handle
 
 
-def read_snapshot_info(path) -> SnapshotInfo:
-    """The SnapshotInfo of one snapshot file, from its header (no tensor is read)."""
-    path = Path(path)
-    with _read_header(path) as handle:
-        return parse_metadata(path, handle.metadata(), list(handle.keys()))[0]
-
-
 def list_snapshots(snapshot_dir) -> list[SnapshotInfo]:
     """The snapshots in snapshot_dir, sorted by (index, ema_index), read from their headers only.
     Other files (temporary files of writers, anything else) are ignored; a file with a snapshot's
@@ -281,8 +268,13 @@ def list_snapshots(snapshot_dir) -> list[SnapshotInfo]:
     snapshot_dir = Path(snapshot_dir)
     if not snapshot_dir.is_dir():
         raise FileNotFoundError(f"no snapshot folder {snapshot_dir}")
-    names = sorted(e.name for e in os.scandir(snapshot_dir) if NAME.match(e.name))
-    return sorted(read_snapshot_info(snapshot_dir / name) for name in names)
+    found = []
+    for path in sorted(
+        snapshot_dir / e.name for e in os.scandir(snapshot_dir) if NAME.match(e.name)
+    ):
+        with _read_header(path) as handle:
+            found.append(parse_metadata(path, handle.metadata(), list(handle.keys()))[0])
+    return sorted(found)
 
 
 def next_index(snapshot_dir) -> int:

@@ -79,8 +79,9 @@ def resolve_snapshots(
     folder = Path(snapshot_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"no snapshot folder {folder}")
-    if migrate.is_ema_pytorch_folder(folder):
-        if any(NAME.match(e.name) for e in os.scandir(folder)):
+    names = [e.name for e in os.scandir(folder)]
+    if any(migrate.NAME.match(name) for name in names):
+        if any(NAME.match(name) for name in names):
             raise SnapshotError(
                 f"{folder} holds both fused_ema snapshots and ema-pytorch checkpoints"
             )

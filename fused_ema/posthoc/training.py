@@ -151,8 +151,8 @@ class PostHocEma(TrackSet):
                 self._after_compiled_update()  # a graph break: snapshots run eagerly
             return
         snapshots = self._snapshots
-        snapshots.writer.wait_staged()
-        snapshots.writer.raise_failure()
+        snapshots.wait_staged()
+        snapshots.raise_failure()
         t = self._updates_after(step)
         due = snapshots.due(t)
         if due:
@@ -190,7 +190,7 @@ class PostHocEma(TrackSet):
     def synchronize(self) -> None:
         """Waits for a non_blocking update and for every snapshot submitted to be written."""
         self._tracks[0].synchronize()
-        self._snapshots.writer.flush()
+        self._snapshots.flush()
 
     # ------------------------------------------------------------------ snapshots
 
@@ -217,7 +217,7 @@ class PostHocEma(TrackSet):
 
     def close(self) -> None:
         """Waits until every snapshot taken is written; raises the first failure."""
-        self._snapshots.writer.flush()
+        self._snapshots.flush()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -237,30 +237,29 @@ class PostHocEma(TrackSet):
             )
         elif not all(_close(a, b) for a, b in zip(saved, gammas)):
             problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
-        index = state.get("snapshot_index")
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            problems.append(f"snapshot_index {index!r}: expected a whole number >= 0")
-        return problems
-
-    def _restore_header(self, state: dict) -> None:
-        self._snapshots.restore(state["snapshot_index"])
-        self._t = None
+        return problems + self._nested_problems(state)
 
     def _nested_extras(self) -> dict:
         return {"snapshot_index": torch.tensor(self._snapshots.next_index)}
 
     def _nested_problems(self, values: dict) -> list[str]:
-        index = values["snapshot_index"]
+        """snapshot_index: a whole number >= 0 (a one-element integer tensor in a parent's state
+        dict)."""
+        index = values.get("snapshot_index")
         if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_meta:
             if not (index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
                 index = int(index.reshape(()).item())
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            return [f"snapshot_index {values['snapshot_index']!r}: expected a whole number >= 0"]
+            return [
+                f"snapshot_index {values.get('snapshot_index')!r}: expected a whole number >= 0"
+            ]
         return []
 
-    def _restore_nested(self, values: dict) -> None:
-        self._snapshots.restore(int(values["snapshot_index"]))
+    def _restore_header(self, state: dict) -> None:
+        self._snapshots.restore(int(state["snapshot_index"]))
         self._t = None
+
+    _restore_nested = _restore_header
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
