@@ -193,10 +193,8 @@ def read_source(state, source: str) -> tuple[object, str]:
 
 def _read_weights(path: str) -> dict:
     if path.endswith(".safetensors"):
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ImportError(f"reading {path} needs the safetensors package") from None
+        from safetensors.torch import load_file
+
         return load_file(path, device="cpu")
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -326,15 +324,11 @@ def _filter_problems(saved, policy) -> list[str]:
     ]
 
 
-def _tie_problem(name: str, tensor, entry, first) -> str | None:
-    """What is wrong with `tensor` under `name`, another name of a tied weight first loaded as
-    `first` (name, tensor)."""
-    problem = tensor_problem(name, tensor, entry.ema)
-    if problem is not None:
-        return problem
-    first_name, first_tensor = first
-    if tensor is first_tensor or tensor_problem(first_name, first_tensor, entry.ema) is not None:
-        return None
+def _tie_problem(name: str, tensor, first_name: str, first_tensor, ema) -> str | None:
+    """What is wrong with `tensor` (itself fit for `ema`) under `name`, another name of a tied
+    weight first loaded as `first_name`: `first_tensor`."""
+    if tensor_problem(first_name, first_tensor, ema) is not None:
+        return None  # the first is reported
     if is_dtensor(tensor) or is_dtensor(first_tensor):
         return None  # shards of one tie: each rank compares only its own, so none does
     same = tensor.dtype == first_tensor.dtype and torch.equal(
@@ -377,18 +371,14 @@ def prepare_load(
         entry = table.by_name.get(name)
         if entry is None:
             continue
-        if id(entry) in covered:  # a tied weight: its other names must hold the same values
-            problem = _tie_problem(name, tensor, entry, covered[id(entry)])
-            if problem:
-                problems.append(problem)
-                mismatched.append(name)
-            continue
-        covered[id(entry)] = (name, tensor)
+        first = covered.setdefault(id(entry), (name, tensor))
         problem = tensor_problem(name, tensor, entry.ema)
+        if problem is None and first[1] is not tensor:  # a tied weight's other names: same values
+            problem = _tie_problem(name, tensor, *first, entry.ema)
         if problem:
             problems.append(problem)
             mismatched.append(name)
-        else:
+        elif first[0] == name:
             pairs.append((entry, tensor))
     missing = [e.name for e in table.entries if id(e) not in covered]
     unexpected = [k for k in (weights or {}) if k not in table.by_name]
