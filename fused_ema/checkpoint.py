@@ -83,8 +83,14 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
         return ParsedCheckpoint(
             "unknown", problems=[f"expected a dict (a state_dict), got {type(state).__name__}"]
         )
-    keys = set(state)
-    problems: list[str] = []
+    keys, problems = set(state), []
+
+    def parsed(kind: str, weights=None, step=None, key: str = "", **extra) -> ParsedCheckpoint:
+        """A checkpoint of format `kind`, its step read from its entry `key`."""
+        return ParsedCheckpoint(
+            kind, weights, step=_as_step(step, key, problems), problems=problems, **extra
+        )
+
     if state.get("format") == FORMAT:
         version = state.get("format_version")
         if version != FORMAT_VERSION:
@@ -96,32 +102,22 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
         if not isinstance(weights, Mapping):
             problems.append("'weights' is missing or not a dict")
             weights = {}
-        return ParsedCheckpoint(
-            "fused_ema",
-            dict(weights),
-            step=_as_step(state.get("step"), "step", problems),
-            schedule=state.get("schedule"),
-            problems=problems,
-            filters=state.get("filters"),
-        )
+        step, schedule, filters = state.get("step"), state.get("schedule"), state.get("filters")
+        return parsed("fused_ema", dict(weights), step, "step", schedule=schedule, filters=filters)
     if isinstance(state.get(PRETRAINED), Mapping):  # read_file's reading of a folder
         folder = state[PRETRAINED]
-        config = folder.get("config", {})
-        step = _as_step(config.get("optimization_step"), "optimization_step", problems)
-        return ParsedCheckpoint(
-            "diffusers save_pretrained", _by_name(folder["weights"]), step=step, problems=problems
-        )
+        step = folder.get("config", {}).get("optimization_step")
+        weights = _by_name(folder["weights"])
+        return parsed("diffusers save_pretrained", weights, step, "optimization_step")
     if isinstance(state.get("averaging_state"), Mapping) and isinstance(
         state.get("state_dict"), Mapping
     ):
         n = state["averaging_state"].get("n_averaged")
-        step = _as_step(n, "averaging_state.n_averaged", problems)
-        return ParsedCheckpoint(
-            "Lightning WeightAveraging", _by_name(state["state_dict"]), step=step, problems=problems
-        )
+        weights = _by_name(state["state_dict"])
+        return parsed("Lightning WeightAveraging", weights, n, "averaging_state.n_averaged")
     for key in ("state_dict_ema", "model_ema"):
         if isinstance(state.get(key), Mapping):
-            return ParsedCheckpoint("timm checkpoint", _by_name(state[key]))
+            return parsed("timm checkpoint", _by_name(state[key]))
     if "shadow_params" in keys:
         shadow = state["shadow_params"]
         if not isinstance(shadow, (list, tuple)):
@@ -131,25 +127,18 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
                     f"'shadow_params' should be a list of tensors, got {type(shadow).__name__}"
                 ],
             )
-        if "optimization_step" in keys:
-            step = _as_step(state["optimization_step"], "optimization_step", problems)
-            return ParsedCheckpoint(
-                "diffusers EMAModel", positional=list(shadow), step=step, problems=problems
-            )
-        step = _as_step(state.get("num_updates"), "num_updates", problems)
-        return ParsedCheckpoint("torch_ema", positional=list(shadow), step=step, problems=problems)
+        diffusers = "optimization_step" in keys
+        key = "optimization_step" if diffusers else "num_updates"
+        kind = "diffusers EMAModel" if diffusers else "torch_ema"
+        return parsed(kind, None, state.get(key), key, positional=list(shadow))
     if "n_averaged" in keys and any(k.startswith("module.") for k in keys):
-        step = _as_step(state["n_averaged"], "n_averaged", problems)
-        return ParsedCheckpoint(
-            "AveragedModel", _by_name(state, "module."), step=step, problems=problems
+        return parsed(
+            "AveragedModel", _by_name(state, "module."), state["n_averaged"], "n_averaged"
         )
     if {"initted", "step"} <= keys and any(k.startswith("ema_model.") for k in keys):
-        step = _as_step(state["step"], "step", problems)
-        return ParsedCheckpoint(
-            "ema-pytorch", _by_name(state, "ema_model."), step=step, problems=problems
-        )
+        return parsed("ema-pytorch", _by_name(state, "ema_model."), state["step"], "step")
     if keys and all(isinstance(v, torch.Tensor) for v in state.values()):
-        return ParsedCheckpoint("state dict", _by_name(state))
+        return parsed("state dict", _by_name(state))
     sample = ", ".join(sorted(map(str, keys))[:8]) or "no keys"
     return ParsedCheckpoint(
         "unknown",
@@ -248,6 +237,7 @@ class PreparedLoad:
     step: int | None
     options: dict | None
     result: LoadResult
+    problems: list[str]  # one per mismatched key (those strict=False leaves out)
 
 
 def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
@@ -399,4 +389,4 @@ def prepare_load(
         ) from err
     result = LoadResult(parsed.format, missing, unexpected, mismatched)
     final_step = loaded_step(parsed, step, new_options or options) if options else parsed.step
-    return PreparedLoad(values, final_step, new_options, result)
+    return PreparedLoad(values, final_step, new_options, result, problems)

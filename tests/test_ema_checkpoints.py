@@ -88,6 +88,18 @@ def test_tied_weights_load_from_either_name():
     assert torch.equal(target.module.head.weight, source.module.embed.weight)
 
 
+def test_tied_weights_that_differ_inside_a_parents_state_dict_are_named():
+    """The parent's error names the tie, as ema.load_state_dict does (it once read
+    'weights.None')."""
+    parent = torch.nn.ModuleDict({"ema": fused_ema.ModelEma(TiedNet(), decay=0.5)})
+    state = {k: v.clone() for k, v in parent.state_dict().items()}
+    state["ema.weights.head.weight"] += 1
+    before = frozen(parent["ema"])
+    with pytest.raises(RuntimeError, match=r"ema\.weights\.head\.weight: tied to embed\.weight"):
+        parent.load_state_dict(state)
+    assert_untouched(parent["ema"], before)
+
+
 # ------------------------------------------------------------------------- rejections
 
 
