@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._ext.grad import without_grad
-from .dtensor import full_value, is_dtensor, local
+from .dtensor import is_dtensor, local
 from .shard import gather_into
 
 
@@ -40,7 +40,8 @@ def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:
             if keep:
                 out.update({name: gathered[id(entry)] for name in entry.names})
             continue
-        value = full_value(entry.ema.detach())  # every rank joins the gather
+        value = entry.ema.detach()
+        value = value.full_tensor() if is_dtensor(value) else value  # every rank joins
         if not keep:
             continue
         value = value.to("cpu") if cpu_offload else value

@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dtensor import chunk_dim as shard_dim
-from .dtensor import is_dtensor, local
+from .dtensor import chunk, chunk_dim, is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
 BUCKET_BYTES = 64 << 20
@@ -26,8 +25,8 @@ def resolve(shard) -> ShardSpec | None:
     """The ShardSpec for ModelEma's `shard` argument (False/None: not sharded)."""
     if shard is False or shard is None:
         return None
-    kinds = ("ProcessGroup", "DeviceMesh")
-    if shard is not True and type(shard).__name__ not in kinds:
+    kind = "WORLD" if shard is True else type(shard).__name__
+    if kind not in ("WORLD", "ProcessGroup", "DeviceMesh"):
         raise TypeError(
             "fused_ema: shard must be False, True (the default process group), a ProcessGroup or "
             f"a 1-D DeviceMesh, got {type(shard).__name__}"
@@ -38,39 +37,17 @@ def resolve(shard) -> ShardSpec | None:
             "torch.distributed is not initialised; call torch.distributed.init_process_group() "
             "first, or build the EMA without shard="
         )
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if shard is True:
+    if kind == "WORLD":
         return ShardSpec(dist.group.WORLD)
-    if isinstance(shard, DeviceMesh):
-        if shard.ndim != 1:
-            raise ValueError(
-                f"fused_ema: shard= takes a 1-D DeviceMesh (the ranks holding replicas of the "
-                f"model), got one with {shard.ndim} dimensions; pass mesh['name'] of the "
-                "replicate dimension"
-            )
-        return ShardSpec(shard.get_group(), shard)
-    if isinstance(shard, dist.ProcessGroup):
+    if kind == "ProcessGroup":
         return ShardSpec(shard)
-    raise TypeError(
-        "fused_ema: shard must be False, True (the default process group), a ProcessGroup or a "
-        f"1-D DeviceMesh, got {type(shard).__name__}"
-    )
-
-
-def chunk(size: int, world: int, rank: int) -> tuple[int, int]:
-    """(start, length) of `rank`'s part of `size` rows, as torch.chunk and DTensor cut them."""
-    rows = -(-size // world)
-    start = min(rank * rows, size)
-    return start, max(0, min(size, start + rows) - start)
-
-
-def chunk_capacity(shape, world: int) -> int:
-    """Elements in the longest chunk of a tensor of `shape` (the first rank's)."""
-    if not math.prod(shape):
-        return 0
-    d = shard_dim(shape)
-    return -(-shape[d] // world) * math.prod(shape[d + 1 :])
+    if shard.ndim != 1:
+        raise ValueError(
+            f"fused_ema: shard= takes a 1-D DeviceMesh (the ranks holding replicas of the "
+            f"model), got one with {shard.ndim} dimensions; pass mesh['name'] of the "
+            "replicate dimension"
+        )
+    return ShardSpec(shard.get_group(), shard)
 
 
 def layout(shapes, world: int, itemsize: int) -> tuple[list, int]:
@@ -80,7 +57,8 @@ def layout(shapes, world: int, itemsize: int) -> tuple[list, int]:
     align = max(1, _ALIGN_BYTES // itemsize)
     slots, total = [], 0
     for shape in shapes:
-        capacity = chunk_capacity(shape, world)
+        d = chunk_dim(shape)
+        capacity = -(-shape[d] // world) * math.prod(shape[d + 1 :]) if math.prod(shape) else 0
         slots.append((total, capacity))
         total += -(-capacity // align) * align
     return slots, total
@@ -94,21 +72,14 @@ class ShardSpec:
         if rank < 0:
             raise ValueError("fused_ema: shard= names a process group this rank is not part of")
         self.group, self.rank, self.world = group, rank, dist.get_world_size(group)
-        self.meshes = {}
-        if mesh is not None:
-            self._add(mesh.device_type, mesh)
-
-    def _add(self, device_type: str, mesh):
-        self.meshes[device_type] = mesh
-        return mesh
+        self.meshes = {} if mesh is None else {mesh.device_type: mesh}
 
     def mesh(self, device: torch.device):
-        mesh = self.meshes.get(device.type)
-        if mesh is None:
+        if device.type not in self.meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = self._add(device.type, DeviceMesh.from_group(self.group, device.type))
-        return mesh
+            self.meshes[device.type] = DeviceMesh.from_group(self.group, device.type)
+        return self.meshes[device.type]
 
     def __deepcopy__(self, memo):
         return self  # the process group is shared, not copied
@@ -125,7 +96,7 @@ class ShardSpec:
         """This rank's chunk of `t` as the EMA's dtype, on `device`, as a DTensor."""
         from torch.distributed.tensor import DTensor, Shard
 
-        d = shard_dim(t.shape)
+        d = chunk_dim(t.shape)
         start, length = chunk(t.shape[d], self.world, self.rank)
         part = t.narrow(d, start, length)
         own = torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
@@ -264,11 +235,6 @@ def _differences(mine: dict, other: dict) -> list:
 # ---------------------------------------------------------------------- gathering
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
-
-
 def _comm_device(device: torch.device, group) -> torch.device:
     """Where a bucket is gathered: with the chunks, unless the backend cannot reach them (a CPU
     EMA over NCCL gathers on the current GPU)."""
@@ -290,6 +256,7 @@ def gather_chunks(items: list, group, world: int) -> None:
     slots, total = layout([tuple(shape) for _, shape, _ in items], world, itemsize)
     step = max(1, BUCKET_BYTES // (world * itemsize))
     device = _comm_device(first.device, group)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     staged = {}  # non-contiguous targets: filled whole, then copied in
     send_buffer = torch.empty(min(step, total), dtype=first.dtype, device=device)
     out_buffer = torch.empty(world * min(step, total), dtype=first.dtype, device=device)
@@ -302,7 +269,7 @@ def gather_chunks(items: list, group, world: int) -> None:
             if hi > lo:
                 send[offset + lo - a : offset + hi - a].copy_(part.reshape(-1)[lo:hi])
         out = out_buffer[: world * (b - a)]
-        _all_gather(out, send, group)
+        all_gather(out, send, group=group)
         out = out.view(world, b - a)
         for (offset, capacity), (_, _, target) in zip(slots, items):
             if target is None or capacity == 0 or offset >= b or offset + capacity <= a:
@@ -367,7 +334,7 @@ class SavedSlices:
         self.group, self.world = group, world
         self.items = []
         for target in targets:
-            d = shard_dim(target.shape)
+            d = chunk_dim(target.shape)
             start, length = chunk(target.shape[d], world, rank) if target.dim() else (0, 1)
             part = target.narrow(d, start, length) if target.dim() else target
             own = part.clone(memory_format=torch.contiguous_format)
