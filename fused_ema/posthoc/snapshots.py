@@ -142,10 +142,8 @@ def save_snapshot(
     return path
 
 
-def _fsync_directory(directory: Path) -> None:
-    if not hasattr(os, "O_DIRECTORY"):  # Windows: directories cannot be opened to sync
-        return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
@@ -162,16 +160,13 @@ def atomic_save(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         save_file(dict(tensors), str(temporary), metadata=dict(metadata))
-        fd = os.open(temporary, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(temporary, os.O_RDWR)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    if hasattr(os, "O_DIRECTORY"):  # (Windows cannot open a directory to sync it)
+        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def write_snapshot(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
