@@ -31,7 +31,7 @@ import torch
 from ._dist.dtensor import is_dtensor, local
 from ._model.name_filters import check_name_patterns
 from ._model.walk import strip_checkpoint_prefixes
-from ._update.schedule import whole_number
+from ._update.schedule import options_from_state, whole_number
 from .errors import CheckpointError
 
 FORMAT = "fused_ema.ModelEma"
@@ -257,16 +257,6 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
     return None
 
 
-def _positional(entries, tensors: list, problems: list[str]) -> dict:
-    params = [e for e in entries if e.kind == "param"]
-    if len(tensors) != len(params):
-        problems.append(
-            f"it holds {len(tensors)} parameters in order but the model has {len(params)}"
-        )
-        return {}
-    return {e.name: t for e, t in zip(params, tensors)}
-
-
 def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
     if is_dtensor(entry.ema) or is_dtensor(tensor):
         return tensor  # resharded while it is copied in (see _dist/dtensor.py copy_into)
@@ -295,7 +285,7 @@ def loaded_step(parsed: ParsedCheckpoint, step: int | None, options: dict) -> in
 
 def _filter_problems(saved, policy) -> list[str]:
     """A fused_ema checkpoint saved with other name filters than this EMA's."""
-    if saved is None or policy is None:
+    if saved is None:
         return []
     mine = policy.filters()
     try:
@@ -330,25 +320,25 @@ def _tie_problem(name: str, tensor, first_name: str, first_tensor, ema) -> str |
 
 
 def prepare_load(
-    table,
-    state,
-    strict: bool,
-    source: str,
-    options_from_state,
-    policy=None,
-    step: int | None = None,
-    options: dict | None = None,
+    table, state, strict: bool, source: str, policy, step: int | None, options: dict
 ) -> PreparedLoad:
     """Checks `state` against the EMA's entries and converts its tensors; raises one
     CheckpointError listing every problem, before anything of the EMA changes. Keys that the
-    EMA's ignore_names leave out are skipped. `step` (validated) overrides the checkpoint's;
-    `options` are the EMA's current schedule options."""
+    EMA's ignore_names (`policy`) leave out are skipped. `step` (validated) overrides the
+    checkpoint's; `options` are the EMA's current schedule options."""
     parsed = parse_checkpoint(state)
     fatal = list(parsed.problems)  # nothing can be loaded while any of these stands
     weights = parsed.weights
-    if parsed.positional is not None:
-        weights = _positional(table.entries, parsed.positional, fatal)
-    if weights and policy is not None and policy.ignore:
+    if parsed.positional is not None:  # the model's parameters, in order
+        params = [e.name for e in table.entries if e.kind == "param"]
+        weights = dict(zip(params, parsed.positional))
+        if len(parsed.positional) != len(params):
+            fatal.append(
+                f"it holds {len(parsed.positional)} parameters in order but the model has "
+                f"{len(params)}"
+            )
+            weights = {}
+    if weights and policy.ignore:
         weights = {k: v for k, v in weights.items() if not policy.ignore_filter(k)}
     new_options = None
     if parsed.schedule is not None:
@@ -388,5 +378,5 @@ def prepare_load(
             source,
         ) from err
     result = LoadResult(parsed.format, missing, unexpected, mismatched)
-    final_step = loaded_step(parsed, step, new_options or options) if options else parsed.step
+    final_step = loaded_step(parsed, step, new_options or options)
     return PreparedLoad(values, final_step, new_options, result, problems)
