@@ -6,6 +6,7 @@ Needs `lightning` (`lightning.pytorch`); with only `pytorch_lightning` installed
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -16,9 +17,46 @@ except ImportError:  # only the older distribution is installed
     from pytorch_lightning.callbacks import Callback
 
 from ..ema import ModelEma
-from ._common import HeldSwap, check_ema_arguments
+from ._common import check_ema_arguments
 
 __all__ = ["EMACallback"]
+
+
+class HeldSwap:
+    """`ema.swapped(model)` entered in one hook and left in another (validation start and end),
+    left also when the framework reports an exception. `paused()` puts the training weights back
+    for a moment (a checkpoint written while the EMA weights are in the model)."""
+
+    def __init__(self):
+        self._stack = contextlib.ExitStack()
+        self._target = None  # (ema, model) while swapped in
+
+    @property
+    def active(self) -> bool:
+        return self._target is not None
+
+    def enter(self, ema: ModelEma, model) -> None:
+        if self._target is None:  # else already in (validation inside a test run, a hook twice)
+            self._stack.enter_context(ema.swapped(model))
+            self._target = (ema, model)
+
+    def leave(self) -> None:
+        self._target = None
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Training weights in the model (and the EMA's own tensors holding the EMA) for the
+        block; the EMA weights go back in after it. Yields whether a swap was paused."""
+        target = self._target
+        if target is None:
+            yield False
+            return
+        self.leave()
+        try:
+            yield True
+        finally:
+            self.enter(*target)
 
 
 class EMACallback(Callback):
