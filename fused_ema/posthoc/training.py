@@ -72,8 +72,15 @@ class PostHocEma(TrackSet):
         shard=False,
     ):
         super().__init__()
-        self.gammas = _gammas(sigma_rels, gammas)
-        self.sigma_rels = tuple(gamma_to_sigma_rel(g) for g in self.gammas)
+        if gammas is None:
+            if sigma_rels is None:
+                raise ValueError("PostHocEma: give sigma_rels or gammas")
+            gammas = [sigma_rel_to_gamma(s) for s in sigma_rels]
+        gammas = tuple(gammas)
+        self.sigma_rels = tuple(gamma_to_sigma_rel(g) for g in gammas)  # checks every gamma
+        self.gammas = tuple(float(g) for g in gammas)
+        if not self.gammas:
+            raise ValueError("PostHocEma: track at least one EMA")
         every = whole_number("snapshot_every", snapshot_every, 1)
         if snapshot_dtype is not None and not (
             isinstance(snapshot_dtype, torch.dtype) and snapshot_dtype.is_floating_point
@@ -275,19 +282,3 @@ def _close(saved, gamma: float) -> bool:
     if isinstance(saved, bool) or not isinstance(saved, (int, float)) or not math.isfinite(saved):
         return False
     return abs(float(saved) - gamma) <= 1e-9 * max(1.0, abs(gamma))
-
-
-def _gammas(sigma_rels, gammas) -> tuple[float, ...]:
-    if gammas is not None:
-        values = tuple(gammas)
-        for g in values:
-            if isinstance(g, bool) or not isinstance(g, (int, float)) or not -1 < g < float("inf"):
-                raise ValueError(f"PostHocEma: each gamma must be a finite number > -1, got {g!r}")
-        out = tuple(float(g) for g in values)
-    else:
-        if sigma_rels is None:
-            raise ValueError("PostHocEma: give sigma_rels or gammas")
-        out = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
-    if not out:
-        raise ValueError("PostHocEma: track at least one EMA")
-    return out
