@@ -14,16 +14,19 @@ from, so a switch to fused_ema keeps the average a run has built up.
 | state dict      | every value a tensor (timm ModelEma/V2/V3)| by name              | not stored  |
 
 Names lose a ``module.`` / ``_orig_mod.`` prefix that every key carries (DDP, torch.compile).
-Without a stored step, the EMA loads as started (see loaded_step).
+Without a stored step, the EMA loads as started (see loaded_step). atomic_write is the crash-safe
+write of every file fused_ema writes (snapshots, the posthoc command's output, ema.pt).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -214,6 +217,31 @@ def read_pretrained_folder(path) -> dict:
         f"no weights in the folder: expected one of {', '.join(_WEIGHT_FILES)} (or its "
         f"sharded .index.json), found {', '.join(files) or 'nothing'}"
     )
+
+
+def atomic_write(path, write) -> None:
+    """`write(temporary)` to a temporary file beside `path` (".{name}.tmp-..."), fsync'd, then
+    os.replace'd onto `path` and the folder fsync'd: `path` is either absent, its old self, or
+    complete. On an exception the temporary file is removed."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write(str(temporary))
+        _fsync(temporary, os.O_RDWR)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # (Windows cannot open a folder to sync it)
+        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------- loading into an EMA

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import atomic_write
 from .profiles import gamma_to_sigma_rel
 
 FORMAT = "fused_ema.posthoc/1"
@@ -142,31 +142,14 @@ def save_snapshot(
     return path
 
 
-def _fsync(path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_save(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """safetensors.torch.save_file to a temporary file beside `path` (a dot name that no reader
-    lists), fsync'd, then os.replace'd onto `path` and the directory fsync'd: `path` is either
-    absent, its old self, or complete. On an exception the temporary file is removed."""
+    """safetensors.torch.save_file of `tensors` and `metadata` to `path`, crash-safely
+    (checkpoint.atomic_write: the temporary file is a dot name that no reader lists)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        save_file(dict(tensors), str(temporary), metadata=dict(metadata))
-        _fsync(temporary, os.O_RDWR)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    if hasattr(os, "O_DIRECTORY"):  # (Windows cannot open a directory to sync it)
-        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    atomic_write(
+        path, lambda temporary: save_file(dict(tensors), temporary, metadata=dict(metadata))
+    )
 
 
 def write_snapshot(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
