@@ -158,14 +158,11 @@ class ShardSpec:
         clear error on every rank when the model is not replicated identically."""
         meta = [t.name for t in tracked if t.tensor.is_meta]
         self.refuse_sharded(tracked)
-        signature = {
-            "tensors": [
-                (tuple(t.names), t.kind, tuple(t.tensor.shape), str(t.tensor.dtype))
-                for t in tracked
-            ],
-            "checksums": _checksums([t.tensor for t in tracked]),
-            "meta": meta,
-        }
+        checksums = _checksums([t.tensor for t in tracked])
+        signature = [
+            (tuple(t.names), tuple(t.tensor.shape), str(t.tensor.dtype), checksum)
+            for t, checksum in zip(tracked, checksums)
+        ]
         every = [None] * self.world
         dist.all_gather_object(every, signature, group=self.group)
         problems = []
@@ -213,22 +210,22 @@ def _checksums(tensors) -> list:
     return [None if w is None else values[w[0]][w[1]] for w in where]
 
 
-def _differences(mine: dict, other: dict) -> list:
-    a, b = mine["tensors"], other["tensors"]
-    names_a = [n for t in a for n in t[0]]
-    names_b = [n for t in b for n in t[0]]
+def _differences(mine: list, other: list) -> list:
+    """How `other` rank's signature (names, shape, dtype, checksum per tensor) differs."""
+    names_a = [n for t in mine for n in t[0]]
+    names_b = [n for t in other for n in t[0]]
     if names_a != names_b:
         extra = [n for n in names_b if n not in set(names_a)]
         missing = [n for n in names_a if n not in set(names_b)]
         return [f"other tensors (has {extra[:3]}, lacks {missing[:3]})"]
     out = []
-    for (ta, ca), (tb, cb) in zip(zip(a, mine["checksums"]), zip(b, other["checksums"])):
-        if ta[2] != tb[2]:
-            out.append(f"{ta[0][0]} has shape {list(tb[2])}, not {list(ta[2])}")
-        elif ta[3] != tb[3]:
-            out.append(f"{ta[0][0]} is {tb[3]}, not {ta[3]}")
-        elif ca != cb:
-            out.append(f"{ta[0][0]} holds other values")
+    for (names, shape, dtype, checksum), (_, shape_b, dtype_b, checksum_b) in zip(mine, other):
+        if shape != shape_b:
+            out.append(f"{names[0]} has shape {list(shape_b)}, not {list(shape)}")
+        elif dtype != dtype_b:
+            out.append(f"{names[0]} is {dtype_b}, not {dtype}")
+        elif checksum != checksum_b:
+            out.append(f"{names[0]} holds other values")
     return out
 
 
