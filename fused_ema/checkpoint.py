@@ -107,7 +107,7 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
             weights = {}
         step, schedule, filters = state.get("step"), state.get("schedule"), state.get("filters")
         return parsed("fused_ema", dict(weights), step, "step", schedule=schedule, filters=filters)
-    if isinstance(state.get(PRETRAINED), Mapping):  # read_file's reading of a folder
+    if isinstance(state.get(PRETRAINED), Mapping):  # read_source's reading of a folder
         folder = state[PRETRAINED]
         step = folder.get("config", {}).get("optimization_step")
         weights = _by_name(folder["weights"])
@@ -153,7 +153,7 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
     )
 
 
-PRETRAINED = "fused_ema: save_pretrained folder"  # read_file's wrapping of a folder
+PRETRAINED = "fused_ema: save_pretrained folder"  # read_source's wrapping of a folder
 # The weights of a save_pretrained folder (diffusers, transformers), preferred first.
 _WEIGHT_FILES = (
     "diffusion_pytorch_model.safetensors",
@@ -163,27 +163,25 @@ _WEIGHT_FILES = (
 )
 
 
-def read_file(path) -> object:
-    """torch.load onto the CPU (weights only); the EMA maps tensors to its own devices later.
-    A directory is read as a save_pretrained folder (diffusers EMAModel.save_pretrained)."""
-    if os.path.isdir(path):
-        return {PRETRAINED: read_pretrained_folder(path)}
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def read_source(state, source: str) -> tuple[object, str]:
-    """A load_state_dict argument: a checkpoint as it is, or a path read with read_file; with the
-    name of where it came from, for errors. A file that cannot be read is a CheckpointError."""
+    """A load_state_dict argument: a checkpoint as it is, or a path: a file read onto the CPU (the
+    EMA maps tensors to its own devices later), a directory as a save_pretrained folder (diffusers
+    EMAModel.save_pretrained); with the name of where it came from, for errors. A file that
+    cannot be read is a CheckpointError."""
     if not isinstance(state, (str, os.PathLike)):
         return state, source
-    source = f"checkpoint file {os.fspath(state)!r}"
+    path = os.fspath(state)
+    source = f"checkpoint file {path!r}"
     try:
-        return read_file(state), source
+        if os.path.isdir(path):
+            return {PRETRAINED: read_pretrained_folder(path)}, source
+        return _read_weights(path), source
     except Exception as err:
         raise CheckpointError([f"could not read it: {type(err).__name__}: {err}"], source) from err
 
 
 def _read_weights(path: str) -> dict:
+    """A safetensors file, or torch.load (weights only) of any other."""
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 

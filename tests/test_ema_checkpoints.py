@@ -188,6 +188,19 @@ def test_foreign_and_broken_inputs(tmp_path):
     rejected(ema, tmp_path / "absent.pt", "could not read it")
 
 
+def test_a_safetensors_file_loads_as_a_state_dict(tmp_path):
+    """As `python -m fused_ema.posthoc` writes one: the files of a save_pretrained folder and a
+    lone file go through one reader."""
+    from safetensors.torch import save_file
+
+    _, ema = trained_pair()
+    save_file(ema.state_dict()["weights"], str(tmp_path / "ema.safetensors"))
+    _, again = trained_pair(seed=1)
+    assert again.load_state_dict(tmp_path / "ema.safetensors").format == "state dict"
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(again.state_dict()["weights"][name], value), name
+
+
 def test_meta_tensors_are_refused():
     _, ema = trained_pair()
     state = ema.state_dict()
