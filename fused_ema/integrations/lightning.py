@@ -117,8 +117,6 @@ class EMACallback(Callback):
         if not self._user_ema and not bound and (create or self._pending is not None):
             self.ema = ModelEma(pl_module, **self._ema_kwargs)
             self._module_ref = weakref.ref(pl_module)
-        elif self._user_ema:
-            self._module_ref = weakref.ref(pl_module)
         if self._pending is not None and self.ema is not None:
             state, self._pending = self._pending, None
             self.ema.load_state_dict(state)  # all or nothing: a bad state raises, EMA unchanged
