@@ -2,7 +2,8 @@
 rank keeps one chunk of every averaged tensor, a Shard(d) DTensor over a 1-D mesh of the group
 (torch.chunk of the first dimension longer than 1, as FSDP2 lays out parameters), so DCP saves and
 reshards it like any DTensor. The chunks are views into one flat buffer per dtype and device, laid
-out alike on every rank, so that one all-gather of a bucket of it gathers many tensors."""
+out alike on every rank, so that one all-gather of a bucket of it gathers many tensors. Also
+ema.full_state_dict() of any EMA (gather_full: these buckets, or a DTensor's all-gather)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._ext.grad import without_grad
 from .dtensor import chunk, chunk_dim, is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
@@ -340,3 +342,43 @@ class SavedSlices:
     def restore(self) -> None:
         for kind in _by_kind(self.items):
             gather_chunks(kind, self.group, self.world)
+
+
+def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> dict:
+    """ema.full_state_dict(): whole, plain tensors by name; a DTensor is all-gathered (every rank
+    must call), and only `rank` keeps the result (rank=None: every rank). `replicated`: the
+    sharded EMA of a replicated model, gathered in buckets of its flat buffers."""
+    return without_grad(_gather_full, entries, rank, cpu_offload, replicated)
+
+
+def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:
+    distributed = dist.is_available() and dist.is_initialized()
+    keep = rank is None or not distributed or dist.get_rank() == rank
+    out = {}
+    gathered: dict = {}
+    replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
+    if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
+        where = "cpu" if cpu_offload else None
+        full = [
+            torch.empty(e.ema.shape, dtype=e.ema.dtype, device=where or local(e.ema).device)
+            if keep
+            else None
+            for e in replicas
+        ]
+        gather_into([(e.ema, t) for e, t in zip(replicas, full)])
+        gathered = {id(e): t for e, t in zip(replicas, full)}
+    for entry in entries:
+        if id(entry) in gathered:
+            if keep:
+                out.update({name: gathered[id(entry)] for name in entry.names})
+            continue
+        value = entry.ema.detach()
+        value = value.full_tensor() if is_dtensor(value) else value  # every rank joins
+        if not keep:
+            continue
+        value = value.to("cpu") if cpu_offload else value
+        if value.untyped_storage().data_ptr() == local(entry.ema).untyped_storage().data_ptr():
+            value = value.clone()  # a copy, never the live EMA
+        for name in entry.names:
+            out[name] = value
+    return out

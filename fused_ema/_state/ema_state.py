@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import torch
 
-from .._dist.gather import gather_full
+from .._dist.shard import gather_full
 from .._ext.grad import without_grad
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._update.schedule import rounding_from_state
