@@ -14,16 +14,19 @@ from, so a switch to fused_ema keeps the average a run has built up.
 | state dict      | every value a tensor (timm ModelEma/V2/V3)| by name              | not stored  |
 
 Names lose a ``module.`` / ``_orig_mod.`` prefix that every key carries (DDP, torch.compile).
-Without a stored step, the EMA loads as started (see loaded_step).
+Without a stored step, the EMA loads as started (see loaded_step). atomic_write is the crash-safe
+write of every file fused_ema writes (snapshots, the posthoc command's output, ema.pt).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -31,7 +34,7 @@ import torch
 from ._dist.dtensor import is_dtensor, local
 from ._model.name_filters import check_name_patterns
 from ._model.walk import strip_checkpoint_prefixes
-from ._update.schedule import whole_number
+from ._update.schedule import options_from_state, whole_number
 from .errors import CheckpointError
 
 FORMAT = "fused_ema.ModelEma"
@@ -83,8 +86,14 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
         return ParsedCheckpoint(
             "unknown", problems=[f"expected a dict (a state_dict), got {type(state).__name__}"]
         )
-    keys = set(state)
-    problems: list[str] = []
+    keys, problems = set(state), []
+
+    def parsed(kind: str, weights=None, step=None, key: str = "", **extra) -> ParsedCheckpoint:
+        """A checkpoint of format `kind`, its step read from its entry `key`."""
+        return ParsedCheckpoint(
+            kind, weights, step=_as_step(step, key, problems), problems=problems, **extra
+        )
+
     if state.get("format") == FORMAT:
         version = state.get("format_version")
         if version != FORMAT_VERSION:
@@ -96,32 +105,22 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
         if not isinstance(weights, Mapping):
             problems.append("'weights' is missing or not a dict")
             weights = {}
-        return ParsedCheckpoint(
-            "fused_ema",
-            dict(weights),
-            step=_as_step(state.get("step"), "step", problems),
-            schedule=state.get("schedule"),
-            problems=problems,
-            filters=state.get("filters"),
-        )
-    if isinstance(state.get(PRETRAINED), Mapping):  # read_file's reading of a folder
+        step, schedule, filters = state.get("step"), state.get("schedule"), state.get("filters")
+        return parsed("fused_ema", dict(weights), step, "step", schedule=schedule, filters=filters)
+    if isinstance(state.get(PRETRAINED), Mapping):  # read_source's reading of a folder
         folder = state[PRETRAINED]
-        config = folder.get("config", {})
-        step = _as_step(config.get("optimization_step"), "optimization_step", problems)
-        return ParsedCheckpoint(
-            "diffusers save_pretrained", _by_name(folder["weights"]), step=step, problems=problems
-        )
+        step = folder.get("config", {}).get("optimization_step")
+        weights = _by_name(folder["weights"])
+        return parsed("diffusers save_pretrained", weights, step, "optimization_step")
     if isinstance(state.get("averaging_state"), Mapping) and isinstance(
         state.get("state_dict"), Mapping
     ):
         n = state["averaging_state"].get("n_averaged")
-        step = _as_step(n, "averaging_state.n_averaged", problems)
-        return ParsedCheckpoint(
-            "Lightning WeightAveraging", _by_name(state["state_dict"]), step=step, problems=problems
-        )
+        weights = _by_name(state["state_dict"])
+        return parsed("Lightning WeightAveraging", weights, n, "averaging_state.n_averaged")
     for key in ("state_dict_ema", "model_ema"):
         if isinstance(state.get(key), Mapping):
-            return ParsedCheckpoint("timm checkpoint", _by_name(state[key]))
+            return parsed("timm checkpoint", _by_name(state[key]))
     if "shadow_params" in keys:
         shadow = state["shadow_params"]
         if not isinstance(shadow, (list, tuple)):
@@ -131,25 +130,18 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
                     f"'shadow_params' should be a list of tensors, got {type(shadow).__name__}"
                 ],
             )
-        if "optimization_step" in keys:
-            step = _as_step(state["optimization_step"], "optimization_step", problems)
-            return ParsedCheckpoint(
-                "diffusers EMAModel", positional=list(shadow), step=step, problems=problems
-            )
-        step = _as_step(state.get("num_updates"), "num_updates", problems)
-        return ParsedCheckpoint("torch_ema", positional=list(shadow), step=step, problems=problems)
+        diffusers = "optimization_step" in keys
+        key = "optimization_step" if diffusers else "num_updates"
+        kind = "diffusers EMAModel" if diffusers else "torch_ema"
+        return parsed(kind, None, state.get(key), key, positional=list(shadow))
     if "n_averaged" in keys and any(k.startswith("module.") for k in keys):
-        step = _as_step(state["n_averaged"], "n_averaged", problems)
-        return ParsedCheckpoint(
-            "AveragedModel", _by_name(state, "module."), step=step, problems=problems
+        return parsed(
+            "AveragedModel", _by_name(state, "module."), state["n_averaged"], "n_averaged"
         )
     if {"initted", "step"} <= keys and any(k.startswith("ema_model.") for k in keys):
-        step = _as_step(state["step"], "step", problems)
-        return ParsedCheckpoint(
-            "ema-pytorch", _by_name(state, "ema_model."), step=step, problems=problems
-        )
+        return parsed("ema-pytorch", _by_name(state, "ema_model."), state["step"], "step")
     if keys and all(isinstance(v, torch.Tensor) for v in state.values()):
-        return ParsedCheckpoint("state dict", _by_name(state))
+        return parsed("state dict", _by_name(state))
     sample = ", ".join(sorted(map(str, keys))[:8]) or "no keys"
     return ParsedCheckpoint(
         "unknown",
@@ -161,7 +153,7 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
     )
 
 
-PRETRAINED = "fused_ema: save_pretrained folder"  # read_file's wrapping of a folder
+PRETRAINED = "fused_ema: save_pretrained folder"  # read_source's wrapping of a folder
 # The weights of a save_pretrained folder (diffusers, transformers), preferred first.
 _WEIGHT_FILES = (
     "diffusion_pytorch_model.safetensors",
@@ -171,32 +163,28 @@ _WEIGHT_FILES = (
 )
 
 
-def read_file(path) -> object:
-    """torch.load onto the CPU (weights only); the EMA maps tensors to its own devices later.
-    A directory is read as a save_pretrained folder (diffusers EMAModel.save_pretrained)."""
-    if os.path.isdir(path):
-        return {PRETRAINED: read_pretrained_folder(path)}
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def read_source(state, source: str) -> tuple[object, str]:
-    """A load_state_dict argument: a checkpoint as it is, or a path read with read_file; with the
-    name of where it came from, for errors. A file that cannot be read is a CheckpointError."""
+    """A load_state_dict argument: a checkpoint as it is, or a path: a file read onto the CPU (the
+    EMA maps tensors to its own devices later), a directory as a save_pretrained folder (diffusers
+    EMAModel.save_pretrained); with the name of where it came from, for errors. A file that
+    cannot be read is a CheckpointError."""
     if not isinstance(state, (str, os.PathLike)):
         return state, source
-    source = f"checkpoint file {os.fspath(state)!r}"
+    path = os.fspath(state)
+    source = f"checkpoint file {path!r}"
     try:
-        return read_file(state), source
+        if os.path.isdir(path):
+            return {PRETRAINED: read_pretrained_folder(path)}, source
+        return _read_weights(path), source
     except Exception as err:
         raise CheckpointError([f"could not read it: {type(err).__name__}: {err}"], source) from err
 
 
 def _read_weights(path: str) -> dict:
+    """A safetensors file, or torch.load (weights only) of any other."""
     if path.endswith(".safetensors"):
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ImportError(f"reading {path} needs the safetensors package") from None
+        from safetensors.torch import load_file
+
         return load_file(path, device="cpu")
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -229,6 +217,31 @@ def read_pretrained_folder(path) -> dict:
     )
 
 
+def atomic_write(path, write) -> None:
+    """`write(temporary)` to a temporary file beside `path` (".{name}.tmp-..."), fsync'd, then
+    os.replace'd onto `path` and the folder fsync'd: `path` is either absent, its old self, or
+    complete. On an exception the temporary file is removed."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write(str(temporary))
+        _fsync(temporary, os.O_RDWR)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # (Windows cannot open a folder to sync it)
+        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------------- loading into an EMA
 
 
@@ -250,6 +263,7 @@ class PreparedLoad:
     step: int | None
     options: dict | None
     result: LoadResult
+    problems: list[str]  # one per mismatched key (those strict=False leaves out)
 
 
 def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
@@ -267,16 +281,6 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
     if tensor.is_floating_point() != ema.is_floating_point() or tensor.is_complex():
         return f"{name}: dtype {tensor.dtype} cannot be stored in the EMA's {ema.dtype}"
     return None
-
-
-def _positional(entries, tensors: list, problems: list[str]) -> dict:
-    params = [e for e in entries if e.kind == "param"]
-    if len(tensors) != len(params):
-        problems.append(
-            f"it holds {len(tensors)} parameters in order but the model has {len(params)}"
-        )
-        return {}
-    return {e.name: t for e, t in zip(params, tensors)}
 
 
 def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
@@ -307,7 +311,7 @@ def loaded_step(parsed: ParsedCheckpoint, step: int | None, options: dict) -> in
 
 def _filter_problems(saved, policy) -> list[str]:
     """A fused_ema checkpoint saved with other name filters than this EMA's."""
-    if saved is None or policy is None:
+    if saved is None:
         return []
     mine = policy.filters()
     try:
@@ -326,15 +330,11 @@ def _filter_problems(saved, policy) -> list[str]:
     ]
 
 
-def _tie_problem(name: str, tensor, entry, first) -> str | None:
-    """What is wrong with `tensor` under `name`, another name of a tied weight first loaded as
-    `first` (name, tensor)."""
-    problem = tensor_problem(name, tensor, entry.ema)
-    if problem is not None:
-        return problem
-    first_name, first_tensor = first
-    if tensor is first_tensor or tensor_problem(first_name, first_tensor, entry.ema) is not None:
-        return None
+def _tie_problem(name: str, tensor, first_name: str, first_tensor, ema) -> str | None:
+    """What is wrong with `tensor` (itself fit for `ema`) under `name`, another name of a tied
+    weight first loaded as `first_name`: `first_tensor`."""
+    if tensor_problem(first_name, first_tensor, ema) is not None:
+        return None  # the first is reported
     if is_dtensor(tensor) or is_dtensor(first_tensor):
         return None  # shards of one tie: each rank compares only its own, so none does
     same = tensor.dtype == first_tensor.dtype and torch.equal(
@@ -346,25 +346,25 @@ def _tie_problem(name: str, tensor, entry, first) -> str | None:
 
 
 def prepare_load(
-    table,
-    state,
-    strict: bool,
-    source: str,
-    options_from_state,
-    policy=None,
-    step: int | None = None,
-    options: dict | None = None,
+    table, state, strict: bool, source: str, policy, step: int | None, options: dict
 ) -> PreparedLoad:
     """Checks `state` against the EMA's entries and converts its tensors; raises one
     CheckpointError listing every problem, before anything of the EMA changes. Keys that the
-    EMA's ignore_names leave out are skipped. `step` (validated) overrides the checkpoint's;
-    `options` are the EMA's current schedule options."""
+    EMA's ignore_names (`policy`) leave out are skipped. `step` (validated) overrides the
+    checkpoint's; `options` are the EMA's current schedule options."""
     parsed = parse_checkpoint(state)
     fatal = list(parsed.problems)  # nothing can be loaded while any of these stands
     weights = parsed.weights
-    if parsed.positional is not None:
-        weights = _positional(table.entries, parsed.positional, fatal)
-    if weights and policy is not None and policy.ignore:
+    if parsed.positional is not None:  # the model's parameters, in order
+        params = [e.name for e in table.entries if e.kind == "param"]
+        weights = dict(zip(params, parsed.positional))
+        if len(parsed.positional) != len(params):
+            fatal.append(
+                f"it holds {len(parsed.positional)} parameters in order but the model has "
+                f"{len(params)}"
+            )
+            weights = {}
+    if weights and policy.ignore:
         weights = {k: v for k, v in weights.items() if not policy.ignore_filter(k)}
     new_options = None
     if parsed.schedule is not None:
@@ -377,18 +377,14 @@ def prepare_load(
         entry = table.by_name.get(name)
         if entry is None:
             continue
-        if id(entry) in covered:  # a tied weight: its other names must hold the same values
-            problem = _tie_problem(name, tensor, entry, covered[id(entry)])
-            if problem:
-                problems.append(problem)
-                mismatched.append(name)
-            continue
-        covered[id(entry)] = (name, tensor)
+        first = covered.setdefault(id(entry), (name, tensor))
         problem = tensor_problem(name, tensor, entry.ema)
+        if problem is None and first[1] is not tensor:  # a tied weight's other names: same values
+            problem = _tie_problem(name, tensor, *first, entry.ema)
         if problem:
             problems.append(problem)
             mismatched.append(name)
-        else:
+        elif first[0] == name:
             pairs.append((entry, tensor))
     missing = [e.name for e in table.entries if id(e) not in covered]
     unexpected = [k for k in (weights or {}) if k not in table.by_name]
@@ -408,5 +404,5 @@ def prepare_load(
             source,
         ) from err
     result = LoadResult(parsed.format, missing, unexpected, mismatched)
-    final_step = loaded_step(parsed, step, new_options or options) if options else parsed.step
-    return PreparedLoad(values, final_step, new_options, result)
+    final_step = loaded_step(parsed, step, new_options or options)
+    return PreparedLoad(values, final_step, new_options, result, problems)

@@ -88,6 +88,18 @@ def test_tied_weights_load_from_either_name():
     assert torch.equal(target.module.head.weight, source.module.embed.weight)
 
 
+def test_tied_weights_that_differ_inside_a_parents_state_dict_are_named():
+    """The parent's error names the tie, as ema.load_state_dict does (it once read
+    'weights.None')."""
+    parent = torch.nn.ModuleDict({"ema": fused_ema.ModelEma(TiedNet(), decay=0.5)})
+    state = {k: v.clone() for k, v in parent.state_dict().items()}
+    state["ema.weights.head.weight"] += 1
+    before = frozen(parent["ema"])
+    with pytest.raises(RuntimeError, match=r"ema\.weights\.head\.weight: tied to embed\.weight"):
+        parent.load_state_dict(state)
+    assert_untouched(parent["ema"], before)
+
+
 # ------------------------------------------------------------------------- rejections
 
 
@@ -174,6 +186,19 @@ def test_foreign_and_broken_inputs(tmp_path):
     garbage.write_bytes(b"not a checkpoint at all" * 10)
     rejected(ema, garbage, "could not read it")
     rejected(ema, tmp_path / "absent.pt", "could not read it")
+
+
+def test_a_safetensors_file_loads_as_a_state_dict(tmp_path):
+    """As `python -m fused_ema.posthoc` writes one: the files of a save_pretrained folder and a
+    lone file go through one reader."""
+    from safetensors.torch import save_file
+
+    _, ema = trained_pair()
+    save_file(ema.state_dict()["weights"], str(tmp_path / "ema.safetensors"))
+    _, again = trained_pair(seed=1)
+    assert again.load_state_dict(tmp_path / "ema.safetensors").format == "state dict"
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(again.state_dict()["weights"][name], value), name
 
 
 def test_meta_tensors_are_refused():

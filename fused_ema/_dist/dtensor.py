@@ -35,9 +35,15 @@ def replica_cut(ema, src) -> tuple | None:
     if not placement.is_shard() or placement.dim != chunk_dim(ema.shape):
         return None
     dim, mesh = placement.dim, ema.device_mesh
-    rows = -(-ema.shape[dim] // mesh.size())  # torch.chunk, as Shard cuts
-    start = min(rows * mesh.get_local_rank(), ema.shape[dim])
+    start, _ = chunk(ema.shape[dim], mesh.size(), mesh.get_local_rank())
     return dim, start, ema._local_tensor.shape[dim]
+
+
+def chunk(size: int, world: int, rank: int) -> tuple[int, int]:
+    """(start, length) of `rank`'s part of `size` rows, as torch.chunk and DTensor cut them."""
+    rows = -(-size // world)
+    start = min(rank * rows, size)
+    return start, max(0, min(size, start + rows) - start)
 
 
 def same_layout(ema: torch.Tensor, t: torch.Tensor) -> bool:
@@ -67,15 +73,9 @@ def check_averageable(name: str, t: torch.Tensor) -> None:
         )
 
 
-def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of `full` (held whole by every rank) as `like` is laid out; no
-    communication."""
-    full = full.to(device=like.device)
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
-
-
 def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
-    """ema <- value for any mix of plain tensors and DTensors (cast to the EMA's device/dtype)."""
+    """ema <- value for any mix of plain tensors and DTensors (cast to the EMA's device/dtype); a
+    plain `value` (held whole by every rank) gives each rank its shard, with no communication."""
     if ema is value or _same_memory(local(ema), local(value)):
         return  # e.g. a state_dict() that dcp.load filled in place
     if not is_dtensor(ema):
@@ -85,7 +85,9 @@ def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
             value = value.redistribute(ema.device_mesh, ema.placements)
         local(ema).copy_(local(value))
     else:
-        local(ema).copy_(shard_of(value, ema))
+        mesh, placements = ema.device_mesh, ema.placements
+        value = distribute_tensor(value.to(ema.device), mesh, placements, src_data_rank=None)
+        local(ema).copy_(local(value))
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -97,11 +99,6 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.device == b.device
         and a.numel() > 0
     )
-
-
-def full_value(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: an all-gather for a DTensor (every rank must call), else t itself."""
-    return t.full_tensor() if is_dtensor(t) else t
 
 
 def any_dtensor(tensors) -> bool:
@@ -164,24 +161,18 @@ def reshard_fsdp(model) -> None:
             module.reshard()
 
 
-def unsharded_names(pairs) -> list[str]:
-    """Names whose EMA is sharded while the model's tensor is not: an FSDP2 model between its
-    forward and backward (or after an evaluation forward) holds unsharded parameters."""
-    return [
-        name
-        for name, ema, model_tensor in pairs
-        if is_dtensor(ema) and not is_dtensor(model_tensor)
-    ]
-
-
 def refuse_unsharded(by_name: dict, tracked, replicated=None) -> None:
     """An FSDP2 model between forward and backward holds unsharded parameters: refuse them. The
     sharded EMA of a replicated model (`replicated`: its ShardSpec) refuses sharded ones."""
     if replicated is not None:
         replicated.refuse_sharded(tracked)
         return
-    pairs = [(n, by_name[n].ema, t.tensor) for t in tracked for n in t.names if n in by_name]
-    names = unsharded_names(pairs)
+    names = [
+        n
+        for t in tracked
+        for n in t.names
+        if n in by_name and is_dtensor(by_name[n].ema) and not is_dtensor(t.tensor)
+    ]
     if names:
         raise RuntimeError(
             f"{len(names)} sharded tensors of the model are unsharded right now (e.g. "

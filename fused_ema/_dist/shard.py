@@ -2,7 +2,8 @@
 rank keeps one chunk of every averaged tensor, a Shard(d) DTensor over a 1-D mesh of the group
 (torch.chunk of the first dimension longer than 1, as FSDP2 lays out parameters), so DCP saves and
 reshards it like any DTensor. The chunks are views into one flat buffer per dtype and device, laid
-out alike on every rank, so that one all-gather of a bucket of it gathers many tensors."""
+out alike on every rank, so that one all-gather of a bucket of it gathers many tensors. Also
+ema.full_state_dict() of any EMA (gather_full: these buckets, or a DTensor's all-gather)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dtensor import chunk_dim as shard_dim
-from .dtensor import is_dtensor, local
+from .._ext.grad import without_grad
+from .dtensor import chunk, chunk_dim, is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
 BUCKET_BYTES = 64 << 20
@@ -26,8 +27,8 @@ def resolve(shard) -> ShardSpec | None:
     """The ShardSpec for ModelEma's `shard` argument (False/None: not sharded)."""
     if shard is False or shard is None:
         return None
-    kinds = ("ProcessGroup", "DeviceMesh")
-    if shard is not True and type(shard).__name__ not in kinds:
+    kind = "WORLD" if shard is True else type(shard).__name__
+    if kind not in ("WORLD", "ProcessGroup", "DeviceMesh"):
         raise TypeError(
             "fused_ema: shard must be False, True (the default process group), a ProcessGroup or "
             f"a 1-D DeviceMesh, got {type(shard).__name__}"
@@ -38,39 +39,17 @@ def resolve(shard) -> ShardSpec | None:
             "torch.distributed is not initialised; call torch.distributed.init_process_group() "
             "first, or build the EMA without shard="
         )
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if shard is True:
+    if kind == "WORLD":
         return ShardSpec(dist.group.WORLD)
-    if isinstance(shard, DeviceMesh):
-        if shard.ndim != 1:
-            raise ValueError(
-                f"fused_ema: shard= takes a 1-D DeviceMesh (the ranks holding replicas of the "
-                f"model), got one with {shard.ndim} dimensions; pass mesh['name'] of the "
-                "replicate dimension"
-            )
-        return ShardSpec(shard.get_group(), shard)
-    if isinstance(shard, dist.ProcessGroup):
+    if kind == "ProcessGroup":
         return ShardSpec(shard)
-    raise TypeError(
-        "fused_ema: shard must be False, True (the default process group), a ProcessGroup or a "
-        f"1-D DeviceMesh, got {type(shard).__name__}"
-    )
-
-
-def chunk(size: int, world: int, rank: int) -> tuple[int, int]:
-    """(start, length) of `rank`'s part of `size` rows, as torch.chunk and DTensor cut them."""
-    rows = -(-size // world)
-    start = min(rank * rows, size)
-    return start, max(0, min(size, start + rows) - start)
-
-
-def chunk_capacity(shape, world: int) -> int:
-    """Elements in the longest chunk of a tensor of `shape` (the first rank's)."""
-    if not math.prod(shape):
-        return 0
-    d = shard_dim(shape)
-    return -(-shape[d] // world) * math.prod(shape[d + 1 :])
+    if shard.ndim != 1:
+        raise ValueError(
+            f"fused_ema: shard= takes a 1-D DeviceMesh (the ranks holding replicas of the "
+            f"model), got one with {shard.ndim} dimensions; pass mesh['name'] of the "
+            "replicate dimension"
+        )
+    return ShardSpec(shard.get_group(), shard)
 
 
 def layout(shapes, world: int, itemsize: int) -> tuple[list, int]:
@@ -80,7 +59,8 @@ def layout(shapes, world: int, itemsize: int) -> tuple[list, int]:
     align = max(1, _ALIGN_BYTES // itemsize)
     slots, total = [], 0
     for shape in shapes:
-        capacity = chunk_capacity(shape, world)
+        d = chunk_dim(shape)
+        capacity = -(-shape[d] // world) * math.prod(shape[d + 1 :]) if math.prod(shape) else 0
         slots.append((total, capacity))
         total += -(-capacity // align) * align
     return slots, total
@@ -94,21 +74,14 @@ class ShardSpec:
         if rank < 0:
             raise ValueError("fused_ema: shard= names a process group this rank is not part of")
         self.group, self.rank, self.world = group, rank, dist.get_world_size(group)
-        self.meshes = {}
-        if mesh is not None:
-            self._add(mesh.device_type, mesh)
-
-    def _add(self, device_type: str, mesh):
-        self.meshes[device_type] = mesh
-        return mesh
+        self.meshes = {} if mesh is None else {mesh.device_type: mesh}
 
     def mesh(self, device: torch.device):
-        mesh = self.meshes.get(device.type)
-        if mesh is None:
+        if device.type not in self.meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = self._add(device.type, DeviceMesh.from_group(self.group, device.type))
-        return mesh
+            self.meshes[device.type] = DeviceMesh.from_group(self.group, device.type)
+        return self.meshes[device.type]
 
     def __deepcopy__(self, memo):
         return self  # the process group is shared, not copied
@@ -125,7 +98,7 @@ class ShardSpec:
         """This rank's chunk of `t` as the EMA's dtype, on `device`, as a DTensor."""
         from torch.distributed.tensor import DTensor, Shard
 
-        d = shard_dim(t.shape)
+        d = chunk_dim(t.shape)
         start, length = chunk(t.shape[d], self.world, self.rank)
         part = t.narrow(d, start, length)
         own = torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
@@ -187,14 +160,11 @@ class ShardSpec:
         clear error on every rank when the model is not replicated identically."""
         meta = [t.name for t in tracked if t.tensor.is_meta]
         self.refuse_sharded(tracked)
-        signature = {
-            "tensors": [
-                (tuple(t.names), t.kind, tuple(t.tensor.shape), str(t.tensor.dtype))
-                for t in tracked
-            ],
-            "checksums": _checksums([t.tensor for t in tracked]),
-            "meta": meta,
-        }
+        checksums = _checksums([t.tensor for t in tracked])
+        signature = [
+            (tuple(t.names), tuple(t.tensor.shape), str(t.tensor.dtype), checksum)
+            for t, checksum in zip(tracked, checksums)
+        ]
         every = [None] * self.world
         dist.all_gather_object(every, signature, group=self.group)
         problems = []
@@ -242,31 +212,26 @@ def _checksums(tensors) -> list:
     return [None if w is None else values[w[0]][w[1]] for w in where]
 
 
-def _differences(mine: dict, other: dict) -> list:
-    a, b = mine["tensors"], other["tensors"]
-    names_a = [n for t in a for n in t[0]]
-    names_b = [n for t in b for n in t[0]]
+def _differences(mine: list, other: list) -> list:
+    """How `other` rank's signature (names, shape, dtype, checksum per tensor) differs."""
+    names_a = [n for t in mine for n in t[0]]
+    names_b = [n for t in other for n in t[0]]
     if names_a != names_b:
         extra = [n for n in names_b if n not in set(names_a)]
         missing = [n for n in names_a if n not in set(names_b)]
         return [f"other tensors (has {extra[:3]}, lacks {missing[:3]})"]
     out = []
-    for (ta, ca), (tb, cb) in zip(zip(a, mine["checksums"]), zip(b, other["checksums"])):
-        if ta[2] != tb[2]:
-            out.append(f"{ta[0][0]} has shape {list(tb[2])}, not {list(ta[2])}")
-        elif ta[3] != tb[3]:
-            out.append(f"{ta[0][0]} is {tb[3]}, not {ta[3]}")
-        elif ca != cb:
-            out.append(f"{ta[0][0]} holds other values")
+    for (names, shape, dtype, checksum), (_, shape_b, dtype_b, checksum_b) in zip(mine, other):
+        if shape != shape_b:
+            out.append(f"{names[0]} has shape {list(shape_b)}, not {list(shape)}")
+        elif dtype != dtype_b:
+            out.append(f"{names[0]} is {dtype_b}, not {dtype}")
+        elif checksum != checksum_b:
+            out.append(f"{names[0]} holds other values")
     return out
 
 
 # ---------------------------------------------------------------------- gathering
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
 
 
 def _comm_device(device: torch.device, group) -> torch.device:
@@ -290,6 +255,7 @@ def gather_chunks(items: list, group, world: int) -> None:
     slots, total = layout([tuple(shape) for _, shape, _ in items], world, itemsize)
     step = max(1, BUCKET_BYTES // (world * itemsize))
     device = _comm_device(first.device, group)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     staged = {}  # non-contiguous targets: filled whole, then copied in
     send_buffer = torch.empty(min(step, total), dtype=first.dtype, device=device)
     out_buffer = torch.empty(world * min(step, total), dtype=first.dtype, device=device)
@@ -302,7 +268,7 @@ def gather_chunks(items: list, group, world: int) -> None:
             if hi > lo:
                 send[offset + lo - a : offset + hi - a].copy_(part.reshape(-1)[lo:hi])
         out = out_buffer[: world * (b - a)]
-        _all_gather(out, send, group)
+        all_gather(out, send, group=group)
         out = out.view(world, b - a)
         for (offset, capacity), (_, _, target) in zip(slots, items):
             if target is None or capacity == 0 or offset >= b or offset + capacity <= a:
@@ -367,7 +333,7 @@ class SavedSlices:
         self.group, self.world = group, world
         self.items = []
         for target in targets:
-            d = shard_dim(target.shape)
+            d = chunk_dim(target.shape)
             start, length = chunk(target.shape[d], world, rank) if target.dim() else (0, 1)
             part = target.narrow(d, start, length) if target.dim() else target
             own = part.clone(memory_format=torch.contiguous_format)
@@ -376,3 +342,43 @@ class SavedSlices:
     def restore(self) -> None:
         for kind in _by_kind(self.items):
             gather_chunks(kind, self.group, self.world)
+
+
+def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> dict:
+    """ema.full_state_dict(): whole, plain tensors by name; a DTensor is all-gathered (every rank
+    must call), and only `rank` keeps the result (rank=None: every rank). `replicated`: the
+    sharded EMA of a replicated model, gathered in buckets of its flat buffers."""
+    return without_grad(_gather_full, entries, rank, cpu_offload, replicated)
+
+
+def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:
+    distributed = dist.is_available() and dist.is_initialized()
+    keep = rank is None or not distributed or dist.get_rank() == rank
+    out = {}
+    gathered: dict = {}
+    replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
+    if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
+        where = "cpu" if cpu_offload else None
+        full = [
+            torch.empty(e.ema.shape, dtype=e.ema.dtype, device=where or local(e.ema).device)
+            if keep
+            else None
+            for e in replicas
+        ]
+        gather_into([(e.ema, t) for e, t in zip(replicas, full)])
+        gathered = {id(e): t for e, t in zip(replicas, full)}
+    for entry in entries:
+        if id(entry) in gathered:
+            if keep:
+                out.update({name: gathered[id(entry)] for name in entry.names})
+            continue
+        value = entry.ema.detach()
+        value = value.full_tensor() if is_dtensor(value) else value  # every rank joins
+        if not keep:
+            continue
+        value = value.to("cpu") if cpu_offload else value
+        if value.untyped_storage().data_ptr() == local(entry.ema).untyped_storage().data_ptr():
+            value = value.clone()  # a copy, never the live EMA
+        for name in entry.names:
+            out[name] = value
+    return out

@@ -10,10 +10,10 @@ from collections import OrderedDict
 
 import torch
 
-from .._dist.gather import gather_full
+from .._dist.shard import gather_full
 from .._ext.grad import without_grad
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
-from .._update.schedule import options_from_state, rounding_from_state
+from .._update.schedule import rounding_from_state
 from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_source
 from ..errors import CheckpointError, PrecisionWarning
 from . import nested_state
@@ -71,15 +71,9 @@ class EmaState:
         be a file path; `step` overrides the checkpoint's. Returns (prepared, rounding)."""
         step = None if step is None else self.schedule.as_value(step)
         state, source = read_source(state, source)
+        binding = self.binding
         prepared = prepare_load(
-            self.binding.table,
-            state,
-            strict,
-            source,
-            options_from_state,
-            self.binding.policy,
-            step,
-            self.schedule.options,
+            binding.table, state, strict, source, binding.policy, step, self.schedule.options
         )
         rounding = None
         if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:

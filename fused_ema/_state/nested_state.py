@@ -11,7 +11,7 @@ format, schedule, rounding and buffer mode. Without that metadata the EMA keeps 
 
 from __future__ import annotations
 
-from ..checkpoint import FORMAT, FORMAT_VERSION, tensor_problem
+from ..checkpoint import FORMAT, FORMAT_VERSION
 from ..errors import CheckpointError
 
 WEIGHTS = "weights."
@@ -61,7 +61,7 @@ def read(state_dict, prefix: str, local_metadata) -> tuple[dict, list, list]:
 def report(prepare, table, own: dict, prefix: str, missing, unexpected, errors):
     """Runs `prepare(own)` (ModelEma's own checks, returning (prepared load, rounding)) and sorts
     what it finds into the parent's lists. Returns its result, or None when it found anything
-    (the EMA must then stay as it is)."""
+    (the EMA must then stay as it is). (`table` is unused: _tracks.py still passes it.)"""
     try:
         prepared = prepare(own)
     except CheckpointError as err:
@@ -70,9 +70,7 @@ def report(prepare, table, own: dict, prefix: str, missing, unexpected, errors):
     result = prepared[0].result
     missing.extend(prefix + WEIGHTS + k for k in result.missing_keys)
     unexpected.extend(prefix + WEIGHTS + k for k in result.unexpected_keys)
-    for name in result.mismatched_keys:
-        problem = tensor_problem(name, own["weights"][name], table.by_name[name].ema)
-        errors.append(f"{prefix}{WEIGHTS}{problem}")
+    errors.extend(prefix + WEIGHTS + problem for problem in prepared[0].problems)
     if result.missing_keys or result.unexpected_keys or result.mismatched_keys:
         return None
     return prepared

@@ -29,7 +29,9 @@ def ema_stats(entries, step: int, decay: float, configured_decay: float, model=N
     stats["untracked"] = sum(1 for n in current if n not in by_name)
     weight = 1.0 - (decay or configured_decay)
     diff2, ref2, unchanged, total = without_grad(_compared, averaged, current, weight)
-    stats["model_nan"] = without_grad(_model_nan, current)
+    stats["model_nan"] = sum(
+        int(local(t.tensor).isnan().sum()) for t in current.values() if t.tensor.is_floating_point()
+    )
     stats["relative_distance"] = math.sqrt(diff2 / ref2) if ref2 > 0 else 0.0
     stats["unchanged_fraction"] = unchanged / total if total else 0.0
     return stats
@@ -53,9 +55,3 @@ def _compared(averaged, current: dict, weight: float) -> tuple:
         unchanged += int((moved == ema).sum())
         total += ema.numel()
     return diff2, ref2, unchanged, total
-
-
-def _model_nan(current: dict) -> int:
-    return sum(
-        int(local(t.tensor).isnan().sum()) for t in current.values() if t.tensor.is_floating_point()
-    )

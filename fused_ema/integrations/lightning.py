@@ -6,6 +6,7 @@ Needs `lightning` (`lightning.pytorch`); with only `pytorch_lightning` installed
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -16,9 +17,46 @@ except ImportError:  # only the older distribution is installed
     from pytorch_lightning.callbacks import Callback
 
 from ..ema import ModelEma
-from ._common import HeldSwap, check_ema_arguments
+from ._common import check_ema_arguments
 
 __all__ = ["EMACallback"]
+
+
+class HeldSwap:
+    """`ema.swapped(model)` entered in one hook and left in another (validation start and end),
+    left also when the framework reports an exception. `paused()` puts the training weights back
+    for a moment (a checkpoint written while the EMA weights are in the model)."""
+
+    def __init__(self):
+        self._stack = contextlib.ExitStack()
+        self._target = None  # (ema, model) while swapped in
+
+    @property
+    def active(self) -> bool:
+        return self._target is not None
+
+    def enter(self, ema: ModelEma, model) -> None:
+        if self._target is None:  # else already in (validation inside a test run, a hook twice)
+            self._stack.enter_context(ema.swapped(model))
+            self._target = (ema, model)
+
+    def leave(self) -> None:
+        self._target = None
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Training weights in the model (and the EMA's own tensors holding the EMA) for the
+        block; the EMA weights go back in after it. Yields whether a swap was paused."""
+        target = self._target
+        if target is None:
+            yield False
+            return
+        self.leave()
+        try:
+            yield True
+        finally:
+            self.enter(*target)
 
 
 class EMACallback(Callback):
@@ -79,8 +117,6 @@ class EMACallback(Callback):
         if not self._user_ema and not bound and (create or self._pending is not None):
             self.ema = ModelEma(pl_module, **self._ema_kwargs)
             self._module_ref = weakref.ref(pl_module)
-        elif self._user_ema:
-            self._module_ref = weakref.ref(pl_module)
         if self._pending is not None and self.ema is not None:
             state, self._pending = self._pending, None
             self.ema.load_state_dict(state)  # all or nothing: a bad state raises, EMA unchanged
@@ -134,33 +170,17 @@ class EMACallback(Callback):
 
     # ------------------------------------------------------------------ evaluation
 
-    def _swap_in(self, pl_module) -> None:
+    def on_validation_start(self, trainer, pl_module) -> None:
+        """Validation, test and predict run with the EMA weights swapped in (swap_eval)."""
         if not self.swap_eval:
             return
         self._bind(pl_module, create=False)
         if self.ema is not None:
             self._swap.enter(self.ema, pl_module)
 
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._swap_in(pl_module)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer, *args, **kwargs) -> None:
+        """The training weights back: when each evaluation ends, on an exception, at teardown."""
         self._swap.leave()
 
-    def on_test_start(self, trainer, pl_module) -> None:
-        self._swap_in(pl_module)
-
-    def on_test_end(self, trainer, pl_module) -> None:
-        self._swap.leave()
-
-    def on_predict_start(self, trainer, pl_module) -> None:
-        self._swap_in(pl_module)
-
-    def on_predict_end(self, trainer, pl_module) -> None:
-        self._swap.leave()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._swap.leave()
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._swap.leave()
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_exception = teardown = on_validation_end

@@ -19,6 +19,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..bema import Bema, check_bema_options
+from ..checkpoint import atomic_write
 from ..ema import ModelEma
 from ._common import check_ema_arguments
 
@@ -145,9 +146,10 @@ class EMACallback(TrainerCallback):
                 f"fused_ema: the checkpoint folder {folder} the Trainer should have written "
                 "does not exist, so the EMA has nowhere to go"
             )
-        path = os.path.join(folder, self.FILE)
-        torch.save(self.ema.state_dict(), path + ".tmp")
-        os.replace(path + ".tmp", path)  # a reader never sees half a file
+        state = self.ema.state_dict()  # crash-safe: a reader never sees half a file
+        atomic_write(
+            os.path.join(folder, self.FILE), lambda temporary: torch.save(state, temporary)
+        )
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.copy_to_model_at_end:

@@ -5,8 +5,8 @@ fused_ema.posthoc.synthesize(snapshot_dir, sigma_rel=0.05)   # dict name -> tens
 python -m fused_ema.posthoc SNAPSHOT_DIR --sigma-rel 0.05 --out ema.safetensors [--plot fit.png]
 
 profiles.py: sigma_rel <-> gamma, power_beta, the least squares; snapshots.py: the file format
-(written by the training-time tracker, training.py's PostHocEma, through writer.py's background
-thread); synthesis.py; migrate.py: ema-pytorch's PostHocEMA folders.
+(written by the training-time tracker, training.py's PostHocEma, through snapshotting.py's
+background thread); synthesis.py; migrate.py: ema-pytorch's PostHocEMA folders.
 """
 
 from .migrate import list_ema_pytorch_snapshots

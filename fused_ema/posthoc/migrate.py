@@ -34,11 +34,6 @@ PREFIX = "ema_model."
 DTYPE = torch.float32  # the dtype of every synthesized tensor (see above)
 
 
-def is_ema_pytorch_folder(folder) -> bool:
-    """Whether `folder` holds files named like ema-pytorch's PostHocEMA checkpoints."""
-    return any(NAME.match(e.name) for e in os.scandir(folder))
-
-
 def list_ema_pytorch_snapshots(
     folder, *, sigma_rels: Sequence[float] | None = None, gammas: Sequence[float] | None = None
 ) -> list[SnapshotInfo]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import atomic_write
 from .profiles import gamma_to_sigma_rel
 
 FORMAT = "fused_ema.posthoc/1"
@@ -71,10 +71,6 @@ def snapshot_path(snapshot_dir, index: int, ema_index: int) -> Path:
     return Path(snapshot_dir) / f"{index:06d}-ema{ema_index}.safetensors"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def snapshot_metadata(
     *,
     index: int,
@@ -98,9 +94,7 @@ def snapshot_metadata(
         "index": str(index),
         "ema_index": str(ema_index),
         "names": json.dumps(list(names)),
-        "dtypes": json.dumps(
-            {n: dtypes[n] if isinstance(dtypes[n], str) else dtype_name(dtypes[n]) for n in names}
-        ),
+        "dtypes": json.dumps({n: str(dtypes[n]).removeprefix("torch.") for n in names}),
         "copied": json.dumps([n for n in names if n in copied]),
     }
 
@@ -148,36 +142,14 @@ def save_snapshot(
     return path
 
 
-def _fsync_directory(directory: Path) -> None:
-    if not hasattr(os, "O_DIRECTORY"):  # Windows: directories cannot be opened to sync
-        return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_save(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """safetensors.torch.save_file to a temporary file beside `path` (a dot name that no reader
-    lists), fsync'd, then os.replace'd onto `path` and the directory fsync'd: `path` is either
-    absent, its old self, or complete. On an exception the temporary file is removed."""
+    """safetensors.torch.save_file of `tensors` and `metadata` to `path`, crash-safely
+    (checkpoint.atomic_write: the temporary file is a dot name that no reader lists)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        save_file(dict(tensors), str(temporary), metadata=dict(metadata))
-        fd = os.open(temporary, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+    atomic_write(
+        path, lambda temporary: save_file(dict(tensors), temporary, metadata=dict(metadata))
+    )
 
 
 def write_snapshot(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
@@ -267,13 +239,6 @@ def _read_header(path: Path):
     return handle
 
 
-def read_snapshot_info(path) -> SnapshotInfo:
-    """The SnapshotInfo of one snapshot file, from its header (no tensor is read)."""
-    path = Path(path)
-    with _read_header(path) as handle:
-        return parse_metadata(path, handle.metadata(), list(handle.keys()))[0]
-
-
 def list_snapshots(snapshot_dir) -> list[SnapshotInfo]:
     """The snapshots in snapshot_dir, sorted by (index, ema_index), read from their headers only.
     Other files (temporary files of writers, anything else) are ignored; a file with a snapshot's
@@ -281,8 +246,13 @@ def list_snapshots(snapshot_dir) -> list[SnapshotInfo]:
     snapshot_dir = Path(snapshot_dir)
     if not snapshot_dir.is_dir():
         raise FileNotFoundError(f"no snapshot folder {snapshot_dir}")
-    names = sorted(e.name for e in os.scandir(snapshot_dir) if NAME.match(e.name))
-    return sorted(read_snapshot_info(snapshot_dir / name) for name in names)
+    found = []
+    for path in sorted(
+        snapshot_dir / e.name for e in os.scandir(snapshot_dir) if NAME.match(e.name)
+    ):
+        with _read_header(path) as handle:
+            found.append(parse_metadata(path, handle.metadata(), list(handle.keys()))[0])
+    return sorted(found)
 
 
 def next_index(snapshot_dir) -> int:

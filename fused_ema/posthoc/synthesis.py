@@ -55,19 +55,6 @@ class Synthesis:
         return target, reconstructed
 
 
-def _target_gamma(sigma_rel, gamma) -> tuple[float, float]:
-    if (sigma_rel is None) == (gamma is None):
-        raise ValueError(
-            "give exactly one of sigma_rel and gamma (got "
-            f"{'both' if sigma_rel is not None else 'neither'})"
-        )
-    if sigma_rel is not None:
-        gamma = sigma_rel_to_gamma(sigma_rel)  # checks sigma_rel
-        return gamma, float(sigma_rel)
-    sigma_rel = gamma_to_sigma_rel(gamma)  # checks gamma
-    return float(gamma), sigma_rel
-
-
 def resolve_snapshots(
     snapshot_dir, *, tracked_sigma_rels=None, tracked_gammas=None
 ) -> list[SnapshotInfo]:
@@ -79,8 +66,9 @@ def resolve_snapshots(
     folder = Path(snapshot_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"no snapshot folder {folder}")
-    if migrate.is_ema_pytorch_folder(folder):
-        if any(NAME.match(e.name) for e in os.scandir(folder)):
+    names = [e.name for e in os.scandir(folder)]
+    if any(migrate.NAME.match(name) for name in names):
+        if any(NAME.match(name) for name in names):
             raise SnapshotError(
                 f"{folder} holds both fused_ema snapshots and ema-pytorch checkpoints"
             )
@@ -130,7 +118,15 @@ def solve_coefficients(
 ) -> Synthesis:
     """The Synthesis of the EMA of sigma_rel (or gamma) at `step` (default: the last snapshot's)
     from the snapshots at or before it, without reading any tensor. See synthesize."""
-    gamma, sigma_rel = _target_gamma(sigma_rel, gamma)
+    if (sigma_rel is None) == (gamma is None):
+        raise ValueError(
+            "give exactly one of sigma_rel and gamma (got "
+            f"{'both' if sigma_rel is not None else 'neither'})"
+        )
+    if sigma_rel is not None:
+        gamma, sigma_rel = sigma_rel_to_gamma(sigma_rel), float(sigma_rel)  # checks sigma_rel
+    else:
+        sigma_rel, gamma = gamma_to_sigma_rel(gamma), float(gamma)  # checks gamma
     snapshots = resolve_snapshots(
         snapshot_dir, tracked_sigma_rels=tracked_sigma_rels, tracked_gammas=tracked_gammas
     )

@@ -72,8 +72,15 @@ class PostHocEma(TrackSet):
         shard=False,
     ):
         super().__init__()
-        self.gammas = _gammas(sigma_rels, gammas)
-        self.sigma_rels = tuple(gamma_to_sigma_rel(g) for g in self.gammas)
+        if gammas is None:
+            if sigma_rels is None:
+                raise ValueError("PostHocEma: give sigma_rels or gammas")
+            gammas = [sigma_rel_to_gamma(s) for s in sigma_rels]
+        gammas = tuple(gammas)
+        self.sigma_rels = tuple(gamma_to_sigma_rel(g) for g in gammas)  # checks every gamma
+        self.gammas = tuple(float(g) for g in gammas)
+        if not self.gammas:
+            raise ValueError("PostHocEma: track at least one EMA")
         every = whole_number("snapshot_every", snapshot_every, 1)
         if snapshot_dtype is not None and not (
             isinstance(snapshot_dtype, torch.dtype) and snapshot_dtype.is_floating_point
@@ -151,8 +158,8 @@ class PostHocEma(TrackSet):
                 self._after_compiled_update()  # a graph break: snapshots run eagerly
             return
         snapshots = self._snapshots
-        snapshots.writer.wait_staged()
-        snapshots.writer.raise_failure()
+        snapshots.wait_staged()
+        snapshots.raise_failure()
         t = self._updates_after(step)
         due = snapshots.due(t)
         if due:
@@ -190,7 +197,7 @@ class PostHocEma(TrackSet):
     def synchronize(self) -> None:
         """Waits for a non_blocking update and for every snapshot submitted to be written."""
         self._tracks[0].synchronize()
-        self._snapshots.writer.flush()
+        self._snapshots.flush()
 
     # ------------------------------------------------------------------ snapshots
 
@@ -217,7 +224,7 @@ class PostHocEma(TrackSet):
 
     def close(self) -> None:
         """Waits until every snapshot taken is written; raises the first failure."""
-        self._snapshots.writer.flush()
+        self._snapshots.flush()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -237,30 +244,29 @@ class PostHocEma(TrackSet):
             )
         elif not all(_close(a, b) for a, b in zip(saved, gammas)):
             problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
-        index = state.get("snapshot_index")
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            problems.append(f"snapshot_index {index!r}: expected a whole number >= 0")
-        return problems
-
-    def _restore_header(self, state: dict) -> None:
-        self._snapshots.restore(state["snapshot_index"])
-        self._t = None
+        return problems + self._nested_problems(state)
 
     def _nested_extras(self) -> dict:
         return {"snapshot_index": torch.tensor(self._snapshots.next_index)}
 
     def _nested_problems(self, values: dict) -> list[str]:
-        index = values["snapshot_index"]
+        """snapshot_index: a whole number >= 0 (a one-element integer tensor in a parent's state
+        dict)."""
+        index = values.get("snapshot_index")
         if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_meta:
             if not (index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
                 index = int(index.reshape(()).item())
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            return [f"snapshot_index {values['snapshot_index']!r}: expected a whole number >= 0"]
+            return [
+                f"snapshot_index {values.get('snapshot_index')!r}: expected a whole number >= 0"
+            ]
         return []
 
-    def _restore_nested(self, values: dict) -> None:
-        self._snapshots.restore(int(values["snapshot_index"]))
+    def _restore_header(self, state: dict) -> None:
+        self._snapshots.restore(int(state["snapshot_index"]))
         self._t = None
+
+    _restore_nested = _restore_header
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
@@ -276,19 +282,3 @@ def _close(saved, gamma: float) -> bool:
     if isinstance(saved, bool) or not isinstance(saved, (int, float)) or not math.isfinite(saved):
         return False
     return abs(float(saved) - gamma) <= 1e-9 * max(1.0, abs(gamma))
-
-
-def _gammas(sigma_rels, gammas) -> tuple[float, ...]:
-    if gammas is not None:
-        values = tuple(gammas)
-        for g in values:
-            if isinstance(g, bool) or not isinstance(g, (int, float)) or not -1 < g < float("inf"):
-                raise ValueError(f"PostHocEma: each gamma must be a finite number > -1, got {g!r}")
-        out = tuple(float(g) for g in values)
-    else:
-        if sigma_rels is None:
-            raise ValueError("PostHocEma: give sigma_rels or gammas")
-        out = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
-    if not out:
-        raise ValueError("PostHocEma: track at least one EMA")
-    return out
