@@ -64,6 +64,7 @@ inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
 }
 // Whether a lane of a is below b's, unsigned.
 inline bool any_below(Lanes a, Lanes b) { return _mm512_cmplt_epu32_mask((VecU)a, (VecU)b) != 0; }
+inline Lanes min_lanes(Lanes a, Lanes b) { return (Lanes)_mm512_min_epu32((VecU)a, (VecU)b); }
 // 2 * kLanes 16-bit results from two vectors of 32-bit ones.
 inline void store_bits(void* p, Lanes a, Lanes b) {
   _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16((VecU)a));
@@ -85,6 +86,7 @@ inline bool any_below(Lanes a, Lanes b) {
   const VecU not_below = _mm256_cmpeq_epi32(_mm256_max_epu32((VecU)a, (VecU)b), (VecU)a);
   return _mm256_movemask_epi8(not_below) != -1;
 }
+inline Lanes min_lanes(Lanes a, Lanes b) { return (Lanes)_mm256_min_epu32((VecU)a, (VecU)b); }
 // packus works per 128-bit lane: the permute puts the halves back in order.
 inline void store_bits(void* p, Lanes a, Lanes b) {
   const VecU packed = _mm256_permute4x64_epi64(_mm256_packus_epi32((VecU)a, (VecU)b), 0xD8);
@@ -129,16 +131,18 @@ inline Lanes round_bf16_vec(Lanes bits, Lanes word) {
 [[gnu::always_inline]] inline Lanes round_f16_vec(Lanes bits, Lanes word) {
   constexpr uint32_t kFirstNormal = sr::kF16FirstNormal << sr::kF32MantissaBits;
   constexpr uint32_t kOverflow = sr::kF16Overflow << sr::kF32MantissaBits;
+  constexpr uint32_t kRebias = sr::kF16ExponentShift << sr::kF32MantissaBits;
   const Lanes abs = bits & sr::kF32AbsMask;
   const Lanes nudged = abs + ((word >> 3) ^ sr::kF16DroppedMask);
-  constexpr uint32_t kRebias = sr::kF16ExponentShift << sr::kF32MantissaBits;
-  Lanes half = nudged >= kOverflow ? splat(sr::kF16Inf) : (nudged - kRebias) >> sr::kF16DroppedBits;
+  // From 2**16 up (nudged >= kOverflow) the truncation is at least infinity's bits: a minimum.
+  static_assert(((kOverflow - kRebias) >> sr::kF16DroppedBits) == sr::kF16Inf);
+  Lanes half = min_lanes((nudged - kRebias) >> sr::kF16DroppedBits, splat(sr::kF16Inf));
   if (any_below(abs, splat(kFirstNormal))) {  // rare at weight scale: cheaper than always
     const Lanes subnormal = (Lanes)(abs < kFirstNormal);
     half = subnormal ? round_f16_subnormal(abs & subnormal, word) : half;
   }
   half = abs > sr::kF32Inf ? splat(sr::kF16QuietNaN) : half;
-  return ((bits & sr::kF32SignMask) >> 16) | half;
+  return ((bits >> 16) & (sr::kF32SignMask >> 16)) | half;
 }
 
 template <typename E>
