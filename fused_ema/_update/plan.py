@@ -233,12 +233,6 @@ class UpdatePlan:
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
         self._marks: list | None = None
-        # The common plan, one device group fed straight from the model: run() skips the
-        # bookkeeping of several writes (one write cannot be left half-done by an interrupt).
-        groups = list(self.groups.values())
-        self._single = groups[0] if len(groups) == 1 and not self.copies else None
-        if self._single is not None and (self._single.staging or self._single.wait_for):
-            self._single = None
         self._walk_cache = None  # what the walk read, once a model matched this plan
         self._joined = None  # (the other plans, the plan joined with them), from joined()
 
@@ -270,11 +264,6 @@ class UpdatePlan:
                 joint.copies[(k, *key)] = group
         joint._probes = [g.ema[0] for g in joint.groups.values()]
         joint._probes += [c.ema[0] for c in joint.copies.values()]
-        joint._single = None
-        if len(joint.groups) == 1 and not joint.copies:
-            (single,) = joint.groups.values()
-            if not single.staging and not single.wait_for:
-                joint._single = single
         joint._marks = None
         self._joined = (tuple(others), joint)
         return joint
@@ -328,11 +317,6 @@ class UpdatePlan:
         toward."""
         values = walk if sources is None else sources
         weight, step = schedule.weight, schedule.step
-        single = self._single
-        if single is not None:
-            self._marks = [single.ema[0]._version]  # its only probe
-            single.lerp(single.sources(values), weight, step)
-            return
         self._marks = [p._version for p in self._probes]
         copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
         if self.has_staging and _zero_on_host(weight):
