@@ -92,10 +92,10 @@ class Prepared:
         is alive and each DTensor source still holds the local shard prepared."""
         return (
             self._free.alive
-            and len(plans) == len(self.plans) == len(schedules)
-            and all(a is b for a, b in zip(plans, self.plans))
+            and plans == self.plans  # plans compare by identity
+            and len(schedules) == len(self.steps)
             and all(a is s.step for a, s in zip(self.steps, schedules))
-            and all(_local_of(d) is held() is not None for d, held in self.shards)
+            and (not self.shards or all(_local_of(d) is h() is not None for d, h in self.shards))
         )
 
     def run(self, cache, model, mode: int, step: int, replan: bool) -> bool:

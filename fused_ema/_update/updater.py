@@ -206,7 +206,9 @@ class Updater:
                 raise RuntimeError("fused_ema: the compiled program walked another model structure")
             plan.forget_run()
             prepared = None
-            if not non_blocking and values is None:
+            if trusted and not any(undos):  # the plans it was prepared for, unchanged
+                prepared = self.prepared
+            elif not non_blocking and values is None:
                 prepared = self._prepared_for(plan, model, walk)
             if prepared is not None:
                 # One call, all or nothing, the counters moved inside it: its count of runs tells
