@@ -272,3 +272,51 @@ def test_dtensor_shards_are_prepared_and_a_swapped_local_shard_is_followed():
             torch.testing.assert_close(got[n]._local_tensor.double(), want[n], rtol=0, atol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def test_shard_rows_are_prepared_and_a_data_swap_is_followed():
+    """ModelEma(shard=True) of a replicated model (a fake 2-rank group, this rank 0) averages its
+    rows by the prepared update, bit for bit as an unsharded twin does those rows; a `.data =` swap
+    (same shape: only the memory moves) makes the next update average the new values."""
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from fused_ema._dist.dtensor import replica_cut
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(22)
+        model = small_mlp()
+        ema = fused_ema.ModelEma(model, decay=DECAY, shard=True)
+        twin = fused_ema.ModelEma(model, decay=DECAY)
+
+        def step():
+            perturb(model, g)
+            ema.update(model)
+            twin.update(model)
+
+        def assert_rows_match():
+            whole = twin.state_dict()["weights"]
+            tensors = model.state_dict(keep_vars=True)
+            for entry in ema._updater.binding.table.entries:
+                cut = replica_cut(entry.ema, tensors[entry.name])
+                if cut is None:  # kept whole (a scalar buffer)
+                    assert torch.equal(entry.ema, whole[entry.name]), entry.name
+                    continue
+                dim, start, length = cut
+                rows = whole[entry.name].narrow(dim, start, length)
+                assert torch.equal(entry.ema._local_tensor, rows), entry.name
+
+        for _ in range(3):
+            step()
+        prepared = ema._updater.prepared
+        assert prepared is not None and prepared.cuts
+        step()
+        assert ema._updater.prepared is prepared
+        assert_rows_match()
+        with torch.no_grad():
+            model[0].weight.data = torch.randn(model[0].weight.shape, generator=g)  # new memory
+        step()
+        assert ema._updater.prepared is not prepared
+        assert_rows_match()
+    finally:
+        dist.destroy_process_group()

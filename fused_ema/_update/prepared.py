@@ -1,9 +1,10 @@
 """An update plan prepared in the extension (csrc/prepared_update.h): its tensors handed over once,
 then each update one call (_C.run_prepared) that checks every tensor is still what was planned,
-moves the schedules and runs every lerp and copy, refusing before the first write. A DTensor
-source is its local shard, held as it was when prepared: current() compares each DTensor's
-_local_tensor with it, since only Python sees that swap. Plans whose sources must be staged or cut,
-and non_blocking or compiled updates, run as UpdatePlan.run / start do."""
+moves the schedules and runs every lerp and copy, refusing before the first write. Two kinds of
+source are views the extension cannot check alone, so current() checks them in Python: a DTensor's
+local shard (the DTensor's _local_tensor must still be it) and the rows a ModelEma(shard=...)
+averages of a replicated tensor (that tensor must still hold the same memory). Plans whose sources
+must be staged, and non_blocking or compiled updates, run as UpdatePlan.run / start do."""
 
 from __future__ import annotations
 
@@ -34,7 +35,16 @@ class Prepared:
     """`plan` with `schedules` (one per EMA, the plan's order), prepared. `plan` joins `plans`,
     the plan of each EMA, when there are several (PostHocEma, Bema)."""
 
-    __slots__ = ("plans", "steps", "shards", "handle", "_free", "_with_model", "__weakref__")
+    __slots__ = (
+        "plans",
+        "steps",
+        "shards",
+        "cuts",
+        "handle",
+        "_free",
+        "_with_model",
+        "__weakref__",
+    )
 
     def __init__(self, plan: UpdatePlan, plans: tuple, schedules: list, model, walk: list):
         self.plans = plans
@@ -44,6 +54,12 @@ class Prepared:
             (weakref.ref(walk[i]), weakref.ref(walk[i]._local_tensor))
             for group in plan.groups.values()
             for i in group.shards
+        )
+        # (a tensor whose rows are averaged, weakly, and its memory when prepared).
+        self.cuts = tuple(
+            (weakref.ref(walk[i]), _memory(walk[i]))
+            for group in plan.groups.values()
+            for i, *_ in group.cuts
         )
         tensors = [t for s in schedules for t in (s.step, s.out, s.config)]
         self.handle = torch.ops.fused_ema.prepared_new(tensors)
@@ -96,6 +112,7 @@ class Prepared:
             and len(schedules) == len(self.steps)
             and all(a is s.step for a, s in zip(self.steps, schedules))
             and (not self.shards or all(_local_of(d) is h() is not None for d, h in self.shards))
+            and (not self.cuts or all(_memory(t()) == memory for t, memory in self.cuts))
         )
 
     def run(self, cache, model, mode: int, step: int, replan: bool) -> bool:
@@ -118,7 +135,7 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
         return False
     place = schedules[0].step.device
     for group in plan.groups.values():
-        if group.cuts or group.staged or group.wait_for:
+        if group.staged or group.wait_for:
             return False
         if place.type != "cpu" and place != group.device:
             return False
@@ -128,6 +145,8 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
         if any(type(walk[i]) not in _PLAIN for i in group.direct):
             return False
         if any(type(walk[i]._local_tensor) not in _PLAIN for i in group.shards):
+            return False
+        if any(type(walk[i]) not in _PLAIN for i, *_ in group.cuts):
             return False
     for copies in plan.copies.values():
         if copies.staging or any(type(walk[i]) not in _PLAIN for i in copies.index):
@@ -141,3 +160,9 @@ def _local_of(ref):
     """The local shard of the DTensor `ref` refers to (None once it is gone)."""
     dtensor = ref()
     return None if dtensor is None else dtensor._local_tensor
+
+
+def _memory(t):
+    """Where a tensor's elements lie (None once it is gone): a view of its rows stays valid while
+    this does not change."""
+    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
