@@ -50,6 +50,7 @@ class PostHocEma(TrackSet):
     FORMAT = "fused_ema.posthoc"
     FORMAT_VERSION = 1
     LEGACY_FORMATS = ("",)  # what releases before 2026-11-28 wrote
+    NESTED = ("snapshot_index",)
 
     def __init__(
         self,
@@ -244,29 +245,19 @@ class PostHocEma(TrackSet):
             )
         elif not all(_close(a, b) for a, b in zip(saved, gammas)):
             problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
-        return problems + self._nested_problems(state)
-
-    def _nested_extras(self) -> dict:
-        return {"snapshot_index": torch.tensor(self._snapshots.next_index)}
-
-    def _nested_problems(self, values: dict) -> list[str]:
-        """snapshot_index: a whole number >= 0 (a one-element integer tensor in a parent's state
-        dict)."""
-        index = values.get("snapshot_index")
+        index = state.get("snapshot_index")  # a one-element integer tensor in a parent's dict
         if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_meta:
             if not (index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
                 index = int(index.reshape(()).item())
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            return [
-                f"snapshot_index {values.get('snapshot_index')!r}: expected a whole number >= 0"
-            ]
-        return []
+            problems.append(
+                f"snapshot_index {state.get('snapshot_index')!r}: expected a whole number >= 0"
+            )
+        return problems
 
     def _restore_header(self, state: dict) -> None:
         self._snapshots.restore(int(state["snapshot_index"]))
         self._t = None
-
-    _restore_nested = _restore_header
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
