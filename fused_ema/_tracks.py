@@ -126,7 +126,7 @@ class TrackSet(nn.Module):
             f"{name}: schedule {load.options} is not the one this {kind} gives it "
             f"({track._schedule.options})"
             for name, track, load in zip(self._track_names, self._tracks, loads)
-            if load.options is not None and not _same(load.options, track._schedule.options)
+            if load.options is not None and not same(load.options, track._schedule.options)
         ]
         steps = [load.step for load in loads]
         if len(set(steps)) > 1:
@@ -205,12 +205,13 @@ class TrackSet(nn.Module):
         self._follow()
 
 
-def _same(a, b) -> bool:
-    """Schedule options equal, floats to 1e-9 relative (a gamma computed on another machine)."""
+def same(a, b) -> bool:
+    """Schedule options (or a header's copy of them) equal, floats to 1e-9 relative (a gamma
+    computed on another machine)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
     return type(a) is type(b) and a == b
