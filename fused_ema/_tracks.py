@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ._model.swap import finish_all
-from ._state import nested_state
 from .checkpoint import read_source
 from .ema import ModelEma
 from .errors import CheckpointError
@@ -36,27 +35,19 @@ class TrackSet(nn.Module):
 
     # ------------------------------------------------------------------ what a subclass adds
 
+    NESTED: tuple[str, ...] = ()  # header keys a parent module's state_dict() gets too (tensors)
+
     def _header(self) -> dict:
         """state_dict()'s keys besides format, format_version and the tracks ("emas")."""
         return {}
 
     def _header_problems(self, state: dict) -> list[str]:
-        """What is wrong with a checkpoint's header (its format already matched)."""
+        """What is wrong with a checkpoint's header (its format already matched). A parent's
+        state dict gives the NESTED keys as found (tensors), the others as _header() has them."""
         return []
 
     def _restore_header(self, state: dict) -> None:
         """Applies a checked header, after every track loaded."""
-
-    def _nested_extras(self) -> dict[str, torch.Tensor]:
-        """Keys a parent module's state_dict() gets besides the tracks' (without the prefix)."""
-        return {}
-
-    def _nested_problems(self, values: dict) -> list[str]:
-        """What is wrong with those keys' values (all present), found before anything is written."""
-        return []
-
-    def _restore_nested(self, values: dict) -> None:
-        """Applies those keys' values (all present and checked), after every track loaded."""
 
     # ------------------------------------------------------------------ shared behaviour
 
@@ -98,8 +89,9 @@ class TrackSet(nn.Module):
             destination = track.state_dict(
                 destination=destination, prefix=f"{prefix}{name}.", keep_vars=keep_vars
             )
-        for key, value in self._nested_extras().items():
-            destination[prefix + key] = value
+        header = self._header()
+        for key in self.NESTED:
+            destination[prefix + key] = torch.tensor(header[key])
         return destination
 
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
@@ -134,7 +126,7 @@ class TrackSet(nn.Module):
             f"{name}: schedule {load.options} is not the one this {kind} gives it "
             f"({track._schedule.options})"
             for name, track, load in zip(self._track_names, self._tracks, loads)
-            if load.options is not None and not _same(load.options, track._schedule.options)
+            if load.options is not None and not same(load.options, track._schedule.options)
         ]
         steps = [load.step for load in loads]
         if len(set(steps)) > 1:
@@ -180,56 +172,46 @@ class TrackSet(nn.Module):
     ) -> None:
         """A parent module's load_state_dict(): every track's keys, all or nothing."""
         self._ready("load_state_dict")
+        metadata = getattr(state_dict, "_metadata", None) or {}
         ready, found = [], set()
-        ok = True
         for name, track in zip(self._track_names, self._tracks):
             sub = f"{prefix}{name}."
-            meta = (
-                state_dict._metadata.get(sub[:-1], {}) if hasattr(state_dict, "_metadata") else {}
-            )
-            own, missing, unexpected = nested_state.read(state_dict, sub, meta)
             found.update(key for key in state_dict if key.startswith(sub))
-            missing_keys.extend(missing)
-            unexpected_keys.extend(unexpected)
-            prepared = nested_state.report(
-                lambda own, track=track, sub=sub: track._state.prepare(own, False, source=sub[:-1]),
-                track._binding.table,
-                own,
-                sub,
-                missing_keys,
-                unexpected_keys,
-                errors,
+            ready.append(
+                track._state.prepare_nested(
+                    state_dict, sub, metadata.get(sub[:-1]), missing_keys, unexpected_keys, errors
+                )
             )
-            ok = ok and prepared is not None and not missing and not unexpected
-            ready.append(prepared)
-        extras = {}
-        for key in self._nested_extras():
+        header = self._header()
+        ok = None not in ready
+        for key in self.NESTED:
             found.add(prefix + key)
-            if prefix + key not in state_dict:
+            if prefix + key in state_dict:
+                header[key] = state_dict[prefix + key]
+            else:
                 missing_keys.append(prefix + key)
                 ok = False
-            else:
-                extras[key] = state_dict[prefix + key]
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
-        if ok:
-            problems = self._track_problems([load for load, _ in ready])
-            problems += self._nested_problems(extras)
-            errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
-            ok = not problems
-        if ok:
-            self._write(list(zip(self._tracks, ready)), lambda: self._restore_nested(extras))
+        if not ok:
+            return
+        problems = self._track_problems([load for load, _ in ready])
+        problems += self._header_problems(header)
+        errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
+        if not problems:
+            self._write(list(zip(self._tracks, ready)), lambda: self._restore_header(header))
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)
         self._follow()
 
 
-def _same(a, b) -> bool:
-    """Schedule options equal, floats to 1e-9 relative (a gamma computed on another machine)."""
+def same(a, b) -> bool:
+    """Schedule options (or a header's copy of them) equal, floats to 1e-9 relative (a gamma
+    computed on another machine)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
     return type(a) is type(b) and a == b

@@ -6,12 +6,11 @@ checkpoints, structure changes, non_blocking, compile, DDP) holds for each."""
 from __future__ import annotations
 
 import contextlib
-import math
 
 from torch import nn
 
 from ._model.walk import unwrap_model
-from ._tracks import TrackSet
+from ._tracks import TrackSet, same
 from ._update.schedule import BEMA, check_bema, whole_number
 from .ema import ModelEma
 
@@ -177,7 +176,7 @@ class Bema(TrackSet):
         return [
             f"{name} {saved[name]!r} in the checkpoint: this Bema has {value!r}"
             for name, value in self.options.items()
-            if not _same(saved[name], value)
+            if not same(saved[name], value)
         ]
 
     def __repr__(self) -> str:
@@ -206,9 +205,3 @@ def check_bema_options(
         "multiplier": multiplier,
         "min_ema_multiplier": float(min_ema_multiplier),
     }
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, bool) or not isinstance(a, (int, float)):
-        return False
-    return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)

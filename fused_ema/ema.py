@@ -387,9 +387,11 @@ class ModelEma(TimmAttributes, nn.Module):
     ) -> None:
         """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing."""
         self._ready("load_state_dict")
-        self._state.load_nested(
+        prepared = self._state.prepare_nested(
             state_dict, prefix, local_metadata, missing_keys, unexpected_keys, errors
         )
+        if prepared is not None:
+            self._state.apply(*prepared)
 
     # ------------------------------------------------------------------ diagnostics
 

@@ -95,13 +95,14 @@ class ShardSpec:
     # ------------------------------------------------------------------ entries
 
     def new_ema(self, t: torch.Tensor, device, dtype) -> torch.Tensor:
-        """This rank's chunk of `t` as the EMA's dtype, on `device`, as a DTensor."""
+        """This rank's chunk of `t` as the EMA's dtype, on `device`, as a DTensor: a view of `t`
+        where dtype and device match, for pack() copies every chunk into its flat buffer."""
         from torch.distributed.tensor import DTensor, Shard
 
         d = chunk_dim(t.shape)
         start, length = chunk(t.shape[d], self.world, self.rank)
         part = t.narrow(d, start, length)
-        own = torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
+        own = part.to(device=device, dtype=dtype)
         return DTensor.from_local(
             own,
             self.mesh(own.device),

@@ -11,9 +11,7 @@ import weakref
 
 from torch import nn
 
-
-def _nothing():
-    return None
+from .tracking import unbound
 
 
 class EmaForwardCheck:
@@ -32,7 +30,7 @@ class EmaForwardCheck:
         return {}  # a pickled copy of the module no longer belongs to an EMA
 
     def __setstate__(self, state):
-        self._ema = _nothing
+        self._ema = unbound
 
 
 def build_module(ema, entries, model: nn.Module) -> nn.Module:
@@ -47,8 +45,11 @@ def build_module(ema, entries, model: nn.Module) -> nn.Module:
         if source is not None:
             memo[id(source)] = entry.ema
             devices.setdefault(source.device, entry.ema.device)
-    for buffer in _non_persistent_buffers(model):
-        if id(buffer) not in memo:
+    for owner in model.modules():
+        skip = owner._non_persistent_buffers_set
+        for name, buffer in owner._buffers.items() if skip else ():
+            if buffer is None or name not in skip or id(buffer) in memo:
+                continue
             device = devices.get(buffer.device, buffer.device)
             if device == buffer.device:
                 memo[id(buffer)] = buffer
@@ -61,13 +62,6 @@ def build_module(ema, entries, model: nn.Module) -> nn.Module:
         return SwappedModelView(ema, model)
     module.register_forward_pre_hook(EmaForwardCheck(ema))
     return module
-
-
-def _non_persistent_buffers(model: nn.Module):
-    for module in model.modules():
-        skip = module._non_persistent_buffers_set
-        if skip:
-            yield from (b for n, b in module._buffers.items() if b is not None and n in skip)
 
 
 class SwappedModelView(nn.Module):

@@ -31,12 +31,6 @@ def check_name_patterns(what: str, value) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def prefix_patterns(prefixes: tuple[str, ...]) -> tuple[str, ...]:
-    """Globs matching every name that starts with one of `prefixes` (ema-pytorch's
-    ignore_startswith_names: plain string prefixes)."""
-    return tuple(glob.escape(p) + "*" for p in prefixes)
-
-
 class NameFilter:
     """Matches tensor names against patterns: a name equal to a pattern, under a module of that
     name ("head" matches "head.weight"), or matched by it as an fnmatch glob (*, ?, [...])."""
@@ -60,12 +54,7 @@ class NameFilter:
 
     def unused(self, names) -> list[str]:
         """The patterns that match none of `names`."""
-        unused = []
-        for pattern in self.patterns:
-            one = NameFilter((pattern,))
-            if not any(one(n) for n in names):
-                unused.append(pattern)
-        return unused
+        return [p for p in self.patterns if not any(map(NameFilter((p,)), names))]
 
 
 def name_filters(copy_names, ignore_names, no_ema_names, ignore_prefixes) -> tuple[tuple, tuple]:
@@ -74,5 +63,6 @@ def name_filters(copy_names, ignore_names, no_ema_names, ignore_prefixes) -> tup
     copy = check_name_patterns("copy_names", copy_names)
     copy += check_name_patterns("param_or_buffer_names_no_ema", no_ema_names)
     ignore = check_name_patterns("ignore_names", ignore_names)
-    ignore += prefix_patterns(check_name_patterns("ignore_startswith_names", ignore_prefixes))
+    prefixes = check_name_patterns("ignore_startswith_names", ignore_prefixes)
+    ignore += tuple(glob.escape(p) + "*" for p in prefixes)  # plain string prefixes
     return tuple(dict.fromkeys(copy)), tuple(dict.fromkeys(ignore))

@@ -107,23 +107,22 @@ class EmaState:
         self.rounding = rounding
         self.binding.set_seed(rounding_seed(rounding))
 
-    def load_nested(self, state_dict, prefix, metadata, missing_keys, unexpected_keys, errors):
-        """A parent module's load_state_dict(): the keys under `prefix`, all or nothing;
-        problems go to the parent's lists (it raises for them, or returns them if not strict)."""
+    def prepare_nested(self, state_dict, prefix, metadata, missing_keys, unexpected_keys, errors):
+        """A parent module's load_state_dict(): the keys under `prefix` checked and converted as
+        prepare() does; problems go to the parent's lists (it raises for them, or returns them if
+        not strict). Returns what apply() takes, or None when anything was found: all or nothing."""
         own, missing, unexpected = nested_state.read(state_dict, prefix, metadata)
         missing_keys.extend(missing)
         unexpected_keys.extend(unexpected)
         prepared = nested_state.report(
             lambda own: self.prepare(own, False, source=prefix[:-1] or "the state dict"),
-            self.binding.table,
             own,
             prefix,
             missing_keys,
             unexpected_keys,
             errors,
         )
-        if prepared is not None and not missing and not unexpected:
-            self.apply(*prepared)
+        return None if missing or unexpected else prepared
 
     # ------------------------------------------------------------------ the rounding setting
 

@@ -58,10 +58,10 @@ def read(state_dict, prefix: str, local_metadata) -> tuple[dict, list, list]:
     return own, missing, unexpected
 
 
-def report(prepare, table, own: dict, prefix: str, missing, unexpected, errors):
+def report(prepare, own: dict, prefix: str, missing, unexpected, errors):
     """Runs `prepare(own)` (ModelEma's own checks, returning (prepared load, rounding)) and sorts
     what it finds into the parent's lists. Returns its result, or None when it found anything
-    (the EMA must then stay as it is). (`table` is unused: _tracks.py still passes it.)"""
+    (the EMA must then stay as it is)."""
     try:
         prepared = prepare(own)
     except CheckpointError as err:

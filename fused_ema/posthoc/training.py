@@ -5,7 +5,6 @@ dtypes, buffers, names, checkpoints, structure changes, non_blocking, compile) i
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 from .._model.walk import unwrap_model
-from .._tracks import TrackSet
+from .._tracks import TrackSet, same
 from .._update.schedule import POWER_FUNCTION, whole_number
 from ..ema import ModelEma
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
@@ -50,6 +49,7 @@ class PostHocEma(TrackSet):
     FORMAT = "fused_ema.posthoc"
     FORMAT_VERSION = 1
     LEGACY_FORMATS = ("",)  # what releases before 2026-11-28 wrote
+    NESTED = ("snapshot_index",)
 
     def __init__(
         self,
@@ -237,36 +237,23 @@ class PostHocEma(TrackSet):
 
     def _header_problems(self, state: dict) -> list[str]:
         problems = []
-        saved, gammas = state.get("gammas"), self.gammas
-        if not isinstance(saved, (list, tuple)) or len(saved) != len(gammas):
+        if not same(state.get("gammas"), list(self.gammas)):
             problems.append(
-                f"gammas {saved!r}: this PostHocEma tracks {len(gammas)} EMAs {list(gammas)}"
+                f"gammas {state.get('gammas')!r}: this PostHocEma tracks {list(self.gammas)}"
             )
-        elif not all(_close(a, b) for a, b in zip(saved, gammas)):
-            problems.append(f"gammas {list(saved)}: this PostHocEma tracks {list(gammas)}")
-        return problems + self._nested_problems(state)
-
-    def _nested_extras(self) -> dict:
-        return {"snapshot_index": torch.tensor(self._snapshots.next_index)}
-
-    def _nested_problems(self, values: dict) -> list[str]:
-        """snapshot_index: a whole number >= 0 (a one-element integer tensor in a parent's state
-        dict)."""
-        index = values.get("snapshot_index")
+        index = state.get("snapshot_index")  # a one-element integer tensor in a parent's dict
         if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_meta:
             if not (index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
                 index = int(index.reshape(()).item())
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            return [
-                f"snapshot_index {values.get('snapshot_index')!r}: expected a whole number >= 0"
-            ]
-        return []
+            problems.append(
+                f"snapshot_index {state.get('snapshot_index')!r}: expected a whole number >= 0"
+            )
+        return problems
 
     def _restore_header(self, state: dict) -> None:
         self._snapshots.restore(int(state["snapshot_index"]))
         self._t = None
-
-    _restore_nested = _restore_header
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
@@ -275,10 +262,3 @@ class PostHocEma(TrackSet):
             f"PostHocEma(sigma_rels=({widths}), snapshot_every={self.snapshot_every}, "
             f"snapshot_dir={where})"
         )
-
-
-def _close(saved, gamma: float) -> bool:
-    """Whether a checkpoint's gamma is this one (a real number within 1e-9 relative)."""
-    if isinstance(saved, bool) or not isinstance(saved, (int, float)) or not math.isfinite(saved):
-        return False
-    return abs(float(saved) - gamma) <= 1e-9 * max(1.0, abs(gamma))
