@@ -35,11 +35,9 @@ except ImportError:
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 CPU_SOURCES = [
-    "csrc/bema_op.cpp",
     "csrc/fused_ema.cpp",
+    "csrc/fused_op.cpp",
     "csrc/grad_mode.cpp",
-    "csrc/lerp_many.cpp",
-    "csrc/lerp_op.cpp",
     "csrc/lerp_plan.cpp",
     "csrc/prepared_handles.cpp",
     "csrc/prepared_update.cpp",
@@ -47,9 +45,8 @@ CPU_SOURCES = [
     "csrc/python_walk_check.cpp",
     "csrc/python_walk_cache.cpp",
     "csrc/schedule.cpp",
-    "csrc/cpu/bema_cpu.cpp",
     "csrc/cpu/cpu_isa.cpp",
-    "csrc/cpu/lerp_cpu.cpp",
+    "csrc/cpu/fused_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",
     "csrc/testing/stochastic_round_testing.cpp",
     "csrc/testing/testing_ops.cpp",
@@ -57,7 +54,7 @@ CPU_SOURCES = [
 HEADERS = sorted(
     str(p.relative_to(Path(__file__).parent)) for p in (Path(__file__).parent / "csrc").rglob("*.h")
 )
-CUDA_SOURCES = ["csrc/cuda/bema_cuda.cu", "csrc/cuda/lerp_cuda.cu", "csrc/cuda/schedule_cuda.cu"]
+CUDA_SOURCES = ["csrc/cuda/fused_cuda.cu", "csrc/cuda/schedule_cuda.cu"]
 CXX_FLAGS = ["-O3"]  # torch's BuildExtension adds the -std its headers need
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # The static libraries below are compiled by setuptools, not BuildExtension: name the standard.

@@ -10,7 +10,7 @@
 
 #include "cpu/cpu_isa.h"
 #include "dtype_pairs.h"
-#include "lerp_op.h"
+#include "fused_op.h"
 #include "schedule_formula.h"
 
 #ifndef FUSED_EMA_WITH_CUDA
@@ -19,7 +19,7 @@
 
 #if FUSED_EMA_WITH_CUDA
 namespace fused_ema::cuda {
-std::vector<int> compiled_archs();  // __CUDA_ARCH_LIST__ (800, 900, ...), cuda/lerp_cuda.cu
+std::vector<int> compiled_archs();  // __CUDA_ARCH_LIST__ (800, 900, ...), cuda/fused_cuda.cu
 int cuda_version_built();
 }  // namespace fused_ema::cuda
 #endif
@@ -59,7 +59,7 @@ TORCH_LIBRARY(fused_ema, m) {
       "int[] seeds, int[] keys, int[] offsets) -> ()");
   // BEMA (bias-corrected EMA) of one list of sources, each read once: with weights = (beta, w0,
   // alpha), ema as lerp_ with beta, theta0 as lerp_ with w0, then out = ema + alpha * (src -
-  // theta0) from the new values (bema_op.h); a weight of 0 leaves its list as it is.
+  // theta0) from the new values (fused_op.h); a weight of 0 leaves its list as it is.
   m.def(
       "bema_(Tensor(a!)[] ema, Tensor(b!)[] theta0, Tensor(c!)[] out, Tensor[] src, "
       "Tensor weights) -> ()");

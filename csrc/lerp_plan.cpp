@@ -15,8 +15,6 @@
 namespace fused_ema {
 namespace {
 
-constexpr const char* kOp = "fused_ema.lerp_: ";
-
 // Metadata of a long list has left the cache by the time it is checked. It is prefetched in
 // stages, each a few tensors further ahead than the object its address is read from:
 // kAhead * 2: the at::Tensor, * 1: its TensorImpl (whole objects: no assumption on their layout).
@@ -345,28 +343,11 @@ std::vector<DevicePlan> LerpPlanner::finish(PlanCheck check) {
   return plans;
 }
 
-std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major, PlanCheck check) {
-  TORCH_CHECK_VALUE(ema.size() == src.size(), kOp, "ema has ", ema.size(), " tensors but src has ",
-                    src.size());
-  const size_t count = ema.size();
-  LerpPlanner planner(count, row_major);
-  const bool far = count >= kPrefetchFrom;
-  for (size_t i = 0; i < count; ++i) {
-    if (far) {
-      prefetch_ahead(ema, i);
-      prefetch_ahead(src, i);
-    }
-    planner.add(*ema[i], *src[i]);
-  }
-  return planner.finish(check);
-}
-
-std::vector<DevicePlan> plan_lerp_many(TensorRefs emas, TensorRefs src, bool row_major,
-                                       PlanCheck check, PairNames names) {
+std::vector<DevicePlan> plan_pairs(TensorRefs emas, TensorRefs src, bool row_major, PlanCheck check,
+                                   PairNames names) {
   const size_t tensors = src.size();
   const size_t tracks = tensors == 0 ? 0 : emas.size() / tensors;
   TORCH_INTERNAL_ASSERT(tracks * tensors == emas.size());
-  names.tensors = tensors;
   LerpPlanner planner(emas.size(), row_major, names);
   const bool far = tensors >= kPrefetchFrom;
   for (size_t k = 0; k < tracks; ++k) {

@@ -35,7 +35,7 @@ struct DevicePlan {
   explicit DevicePlan(c10::Device d) : device(d) {}
   DevicePlan(DevicePlan&&) = default;
   DevicePlan& operator=(DevicePlan&&) = default;
-  ~DevicePlan();  // hands `pairs` back to plan_lerp's per-thread pool
+  ~DevicePlan();  // hands `pairs` back to plan_pairs's per-thread pool
 
   c10::Device device;
   std::vector<FlatPair> pairs;
@@ -121,8 +121,8 @@ struct PairNames {
 };
 
 // Checks (ema, src) pairs one at a time and flattens them into per-device plans; nothing is
-// written until finish(). It serves lerp_'s lists (plan_lerp) and the K tracks of lerp_many_ and
-// bema_ (plan_lerp_many). Pairs must be added in index order; the tensors must outlive finish().
+// written until finish(). It serves every call of the family (plan_pairs). Pairs must be added in
+// index order; the tensors must outlive finish().
 class LerpPlanner {
  public:
   // row_major: every span lists its ema's elements in row-major order (lerp_stochastic_ numbers
@@ -175,16 +175,12 @@ class LerpPlanner {
   Scratch<c10::TensorImpl*, 0> bumped_;
 };
 
-// The planner over two lists (the dispatcher's route), prefetching the metadata of long lists.
-std::vector<DevicePlan> plan_lerp(TensorRefs ema, TensorRefs src, bool row_major, PlanCheck check);
-
-// The planner over lerp_many_'s pairs: `emas` holds the tracks one after another (track k's
-// tensor i at k * src.size() + i), each as long as src. Pairs are added track by track, each
-// list walked in order (planning 20,000 small tensors in 4 tracks took 15% longer tensor by
-// tensor, with five lists walked side by side). `names` says how errors name the tracks (its
-// `tensors` is set here).
-std::vector<DevicePlan> plan_lerp_many(TensorRefs emas, TensorRefs src, bool row_major,
-                                       PlanCheck check,
-                                       PairNames names = {"fused_ema.lerp_many_: "});
+// The planner over a call's pairs: `emas` holds the tracks one after another (track k's tensor i at
+// k * src.size() + i), each as long as src; lists of 2,048 and more get their metadata prefetched.
+// Pairs are added track by track, each list walked in order (planning 20,000 small tensors in 4
+// tracks took 15% longer tensor by tensor, with five lists walked side by side). `names` says how
+// errors name the tracks.
+std::vector<DevicePlan> plan_pairs(TensorRefs emas, TensorRefs src, bool row_major, PlanCheck check,
+                                   PairNames names);
 
 }  // namespace fused_ema

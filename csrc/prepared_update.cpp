@@ -1,4 +1,4 @@
-// The prepared update (prepared_update.h): planning goes through each op's own driver (its checks
+// The prepared update (prepared_update.h): planning goes through the ops' own driver (their checks
 // and errors); a run reuses the plans while every tensor keeps its data, size, dtype and device.
 // Handles, ops and the Python entry points are in prepared_handles.cpp.
 #include "prepared_update.h"
@@ -11,9 +11,7 @@
 
 #include <cstring>
 
-#include "bema_op.h"
-#include "lerp_many.h"
-#include "lerp_op.h"
+#include "fused_op.h"
 #include "schedule.h"
 
 namespace fused_ema {
@@ -48,19 +46,26 @@ TensorState state_of(const at::Tensor& t) {
   return state;
 }
 
-std::vector<const at::Tensor*> refs(const std::vector<at::Tensor>& tensors, size_t begin = 0,
-                                    size_t count = SIZE_MAX) {
-  const size_t end = count == SIZE_MAX ? tensors.size() : begin + count;
+std::vector<const at::Tensor*> refs(const std::vector<at::Tensor>& tensors) {
   std::vector<const at::Tensor*> out;
-  out.reserve(end - begin);
-  for (size_t i = begin; i < end; ++i) {
-    out.push_back(&tensors[i]);
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    out.push_back(&t);
   }
   return out;
 }
 
-size_t tracks_of(const PreparedCall& call) {
-  return call.src.empty() ? 0 : call.emas.size() / call.src.size();
+// The call as the driver takes it. Its weights and step are read anew; seeds, keys and offsets
+// are checked where the call is planned.
+FusedCall fused_call_of(const PreparedCall& call) {
+  FusedCall fused{call.kind, call.src.size(), checked_weights(call.kind, call.weights)};
+  if (fused.stochastic()) {
+    read_step(fused.rounding, call.step, kOp);
+    fused.rounding.seeds = call.seeds;
+    fused.rounding.keys = call.keys;
+    fused.rounding.offsets = call.offsets;
+  }
+  return fused;
 }
 
 void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
@@ -89,10 +94,9 @@ PreparedUpdate::PreparedUpdate(std::vector<at::Tensor> schedules)
 }
 
 void PreparedUpdate::add_call(PreparedCall call) {
-  const size_t tracks = tracks_of(call);
-  TORCH_CHECK_VALUE(call.emas.size() == tracks * call.src.size(), kOp, "emas has ",
-                    call.emas.size(), " tensors, not a multiple of the ", call.src.size(),
-                    " sources");
+  const size_t n = call.src.size();
+  TORCH_CHECK_VALUE(n == 0 ? call.emas.empty() : call.emas.size() % n == 0, kOp, "emas has ",
+                    call.emas.size(), " tensors, not a multiple of the ", n, " sources");
   for (const int64_t s : call.joint) {
     TORCH_CHECK_VALUE(s >= 0 && static_cast<size_t>(s) < schedules_.size() / 3, kOp,
                       "joint names schedule ", s, " of ", schedules_.size() / 3);
@@ -158,37 +162,7 @@ void PreparedUpdate::plan() {
   bool reusable = true;
   for (PreparedCall& call : calls_) {
     call.plans.clear();
-    const auto emas = refs(call.emas);
-    const auto src = refs(call.src);
-    const size_t n = src.size();
-    switch (call.kind) {
-      case FusedKind::kLerp:
-        call.plans = plan_lerp_call(emas, src, checked_weight(call.weights), nullptr);
-        break;
-      case FusedKind::kLerpStochastic: {
-        const StochasticRounding r =
-            checked_rounding(n, call.step, call.seeds.at(0), call.keys, call.offsets);
-        call.plans = plan_lerp_call(emas, src, checked_weight(call.weights), &r);
-        break;
-      }
-      case FusedKind::kLerpMany:
-        call.plans = plan_tracks_call(
-            emas, src, checked_track_weights(call.weights, tracks_of(call)), nullptr);
-        break;
-      case FusedKind::kLerpManyStochastic: {
-        const TrackRounding r = checked_track_rounding(tracks_of(call), src, call.step, call.seeds,
-                                                       call.keys, call.offsets);
-        call.plans =
-            plan_tracks_call(emas, src, checked_track_weights(call.weights, tracks_of(call)), &r);
-        break;
-      }
-      case FusedKind::kBema:
-        TORCH_CHECK_VALUE(tracks_of(call) == 3, kOp, "bema_ takes ema, theta0 and out");
-        call.plans =
-            plan_bema_call(refs(call.emas, 0, n), refs(call.emas, n, n), refs(call.emas, 2 * n, n),
-                           src, checked_bema_weights(call.weights));
-        break;
-    }
+    call.plans = plan_fused_call(fused_call_of(call), refs(call.emas), refs(call.src));
     for (const DevicePlan& p : call.plans) {
       reusable &= p.stand_ins.empty() && p.write_backs.empty();
     }
@@ -242,36 +216,7 @@ void PreparedUpdate::run_call(const PreparedCall& call) {
       call.weights.narrow(0, static_cast<int64_t>(k), 1).copy_(out.narrow(0, 0, 1));
     }
   }
-  const size_t n = call.src.size();
-  switch (call.kind) {
-    case FusedKind::kLerp:
-      run_lerp_call(call.plans, checked_weight(call.weights), nullptr);
-      break;
-    case FusedKind::kLerpStochastic: {
-      // Seeds, keys and offsets were checked when planned: only the step is read again.
-      const CheckedStep step = checked_step(call.step, kOp);
-      StochasticRounding r;
-      r.seed = static_cast<uint64_t>(call.seeds.at(0));
-      r.step = step.value;
-      r.step_tensor = step.tensor;
-      r.keys = call.keys;
-      r.offsets = call.offsets;
-      run_lerp_call(call.plans, checked_weight(call.weights), &r);
-      break;
-    }
-    case FusedKind::kLerpMany:
-      run_tracks_call(call.plans, n, checked_track_weights(call.weights, tracks_of(call)), nullptr);
-      break;
-    case FusedKind::kLerpManyStochastic: {
-      const CheckedStep step = checked_step(call.step, kOp);
-      const TrackRounding r{call.seeds, step.value, step.tensor, call.keys, call.offsets};
-      run_tracks_call(call.plans, n, checked_track_weights(call.weights, tracks_of(call)), &r);
-      break;
-    }
-    case FusedKind::kBema:
-      run_bema_call(call.plans, n, checked_bema_weights(call.weights));
-      break;
-  }
+  run_fused_call(fused_call_of(call), call.plans);
 }
 
 bool PreparedUpdate::run(StepMode mode, int64_t step, bool replan) {

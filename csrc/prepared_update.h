@@ -11,18 +11,9 @@
 #include <memory>
 #include <vector>
 
-#include "lerp_plan.h"
+#include "fused_op.h"
 
 namespace fused_ema {
-
-// How a prepared call averages: the fused op of the same name (ops.py).
-enum class FusedKind : int64_t {
-  kLerp = 0,
-  kLerpStochastic = 1,
-  kLerpMany = 2,
-  kLerpManyStochastic = 3,
-  kBema = 4,
-};
 
 // What a run does to the step counters before averaging.
 enum class StepMode : int64_t {
@@ -31,8 +22,9 @@ enum class StepMode : int64_t {
   kKeep = 2,     // the counters were set already (a step tensor, Schedule.begin)
 };
 
-// One fused call: `emas` holds its tracks one after another (bema_: ema, theta0, out). Its weights
-// are a schedule's weight tensor, or `joint` names the schedules whose weights fill it in order.
+// One fused call (kind: the op of the same name, ops.py): `emas` holds its tracks one after another
+// (bema_: ema, theta0, out). Its weights are a schedule's weight tensor, or `joint` names the
+// schedules whose weights fill it in order.
 struct PreparedCall {
   FusedKind kind = FusedKind::kLerp;
   std::vector<at::Tensor> emas;

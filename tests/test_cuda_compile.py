@@ -215,7 +215,7 @@ def demangle_items(kernels):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("source", ["bema_cuda.cu", "lerp_cuda.cu", "schedule_cuda.cu"])
+@pytest.mark.parametrize("source", ["fused_cuda.cu", "schedule_cuda.cu"])
 def test_cuda_torch_glue_compiles(source, tmp_path):
     """The files that join the kernels to torch compile against the installed torch headers. A
     CPU wheel lacks one generated CUDA header (c10/cuda/impl/cuda_cmake_macros.h); it is stood in

@@ -148,7 +148,7 @@ struct BemaOp {
 // How a tensor goes to BemaOp: host weights that leave only theta0 to update (beta = alpha = 0)
 // put theta0 in the EMA's place with w0 as its weight (the same bound lerp, so the same bits), and
 // no EMA is read; otherwise (ema, src) as the TensorRef and (theta0, out) as its data. Host only:
-// bema_cuda.cu and the tests' emulation both pass their tensors through it.
+// fused_cuda.cu and the tests' emulation both pass their tensors through it.
 struct BemaLaunch {
   bool theta0_only;
   BemaWeightArgs weights;

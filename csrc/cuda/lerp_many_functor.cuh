@@ -134,7 +134,7 @@ struct LerpManyStochasticOp {
   }
 };
 
-// The launches of lerp_many_'s pairs (lerp_many.h: grouped by tensor; FlatPair::index = track *
+// The launches of lerp_many_'s pairs (fused_op.h: grouped by tensor; FlatPair::index = track *
 // tensors + tensor): in rounds of up to kMaxTracks tracks, and per round
 // and dtype pair one entry per source with its tracks' EMAs (`fill(extra, slot, pair)` sets a
 // track's fields). Calls launch(kind, first_track, refs, extras, count) per non-empty group,

@@ -38,7 +38,7 @@ def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: 
 
 @torch.library.register_fake("fused_ema::lerp_stochastic_")
 def _lerp_stochastic_fake(ema, src, weight, step, seed, keys, offsets) -> None:
-    """The metadata checks of csrc/lerp_op.cpp (lerp_stochastic), with the same messages."""
+    """The metadata checks of csrc/fused_op.cpp (lerp_stochastic_), with the same messages."""
     _check_fake(ema, src)
     if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
         raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
@@ -57,7 +57,7 @@ def _lerp_stochastic_fake(ema, src, weight, step, seed, keys, offsets) -> None:
 
 @torch.library.register_fake("fused_ema::lerp_many_")
 def _lerp_many_fake(emas, src, weights) -> None:
-    """The metadata checks of csrc/lerp_many.cpp, with the same messages."""
+    """The metadata checks of csrc/fused_op.cpp, with the same messages."""
     _check_tracks_fake(emas, src, weights)
 
 
@@ -102,7 +102,7 @@ def _check_tracks_fake(emas, src, weights) -> int:
 
 @torch.library.register_fake("fused_ema::bema_")
 def _bema_fake(ema, theta0, out, src, weights) -> None:
-    """The metadata checks of csrc/bema_op.cpp and the planner, with the same messages."""
+    """The metadata checks of csrc/fused_op.cpp and the planner, with the same messages."""
     lists = (ema, theta0, out)
     for tensors, name in zip(lists, BEMA_LISTS):
         if len(tensors) != len(src):

@@ -2,7 +2,7 @@
 // plain C++ compiler (test_cuda_emulation.py builds it): torch.ops.fused_ema_emulation.lerp_,
 // lerp_stochastic_, lerp_many_, lerp_many_stochastic_, bema_ (the kernels, packed as for the 4 KB
 // or the 32 KB layout, every block and thread run) and schedule_ (the schedule kernel's body).
-// Arguments reach the kernels as lerp_cuda.cu and schedule_cuda.cu pass them (lerp_many_'s
+// Arguments reach the kernels as fused_cuda.cu and schedule_cuda.cu pass them (lerp_many_'s
 // through the same for_each_track_launch); tensor weights and steps are read through pointers.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -82,7 +82,7 @@ PairKind dense_refs(at::TensorList ema, at::TensorList src, std::vector<TensorRe
   return *kind;
 }
 
-// A device-side weight: WeightArg's pointer, as lerp_cuda.cu passes a tensor on the EMA's device.
+// A device-side weight: WeightArg's pointer, as fused_cuda.cu passes a tensor on the EMA's device.
 WeightArg weight_arg(double weight, const std::optional<at::Tensor>& tensor) {
   if (!tensor.has_value()) {
     return {weight, nullptr, nullptr};
@@ -261,7 +261,7 @@ Counts lerp_many_stochastic_op(at::TensorList emas, at::TensorList src,
   return counts_of(err, counts);
 }
 
-// bema_'s launches of one dtype pair, as bema_cuda.cu makes them (theta0 and out as per-tensor
+// bema_'s launches of one dtype pair, as fused_cuda.cu makes them (theta0 and out as per-tensor
 // data, weights as host values or a device pointer).
 template <typename E, typename S>
 cudaError_t bema(const std::vector<TensorRef>& refs, const std::vector<BemaTensors>& extras,
@@ -299,10 +299,10 @@ Counts bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at
     TORCH_CHECK(weights.size() == 3, "3 host weights");
     std::copy(weights.begin(), weights.end(), args.value);
     if (weights[0] == 0.0 && weights[1] == 0.0 && weights[2] == 0.0) {
-      return {0, 0};  // bema_op.cpp launches nothing
+      return {0, 0};  // fused_op.cpp launches nothing
     }
   }
-  // As bema_cuda.cu passes them (BemaLaunch: theta0 in the EMA's place where only it changes).
+  // As fused_cuda.cu passes them (BemaLaunch: theta0 in the EMA's place where only it changes).
   const BemaLaunch launch(args);
   std::vector<TensorRef> refs;
   std::vector<BemaTensors> extras;

@@ -1,0 +1,454 @@
+// The driver of the fused-op family (see fused_op.h): the checks of the weights, the rounding
+// arguments and the lists with each op's own messages, the planning of the K * N pairs, and one
+// runner call per device. Also the dispatcher's kernels of lerp_, lerp_many_ and bema_.
+#include "fused_op.h"
+
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <iterator>
+#include <utility>
+
+#include "opmath.h"
+
+namespace fused_ema {
+namespace {
+
+constexpr auto kNumDeviceTypes =
+    static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES);
+
+// Keys are 32 bits of a stream's key (stochastic_round.h).
+constexpr int64_t kMaxKey = UINT32_MAX;
+
+constexpr const char* kBemaLists[] = {"ema", "theta0", "out"};
+constexpr const char* kBemaWeights[] = {"beta", "w0", "alpha"};
+
+// Per kind: the op that starts its messages, the one of its rounding and device checks (only
+// lerp_stochastic_'s differ), and the profiler's name of a run.
+struct KindText {
+  const char* op;
+  const char* device_op;
+  const char* record;
+};
+constexpr KindText kTexts[] = {
+    {"fused_ema.lerp_: ", "fused_ema.lerp_: ", "fused_ema::lerp_"},
+    {"fused_ema.lerp_: ", "fused_ema.lerp_stochastic_: ", "fused_ema::lerp_stochastic_"},
+    {"fused_ema.lerp_many_: ", "fused_ema.lerp_many_: ", "fused_ema::lerp_many_"},
+    {"fused_ema.lerp_many_: ", "fused_ema.lerp_many_: ", "fused_ema::lerp_many_stochastic_"},
+    {"fused_ema.bema_: ", "fused_ema.bema_: ", "fused_ema::bema_"},
+};
+
+const KindText& text(FusedKind kind) { return kTexts[static_cast<size_t>(kind)]; }
+
+// lerp_ and lerp_stochastic_ take one list (ema[i], a "weight"); the others several.
+bool one_list(FusedKind kind) {
+  return kind == FusedKind::kLerp || kind == FusedKind::kLerpStochastic;
+}
+
+std::array<FusedRunner, kNumDeviceTypes>& runners() {
+  static std::array<FusedRunner, kNumDeviceTypes> table{};
+  return table;
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string text;
+  for (const auto& name : names) {
+    text += (text.empty() ? "" : ", ") + name;
+  }
+  return text;
+}
+
+// A weight in messages: lerp_'s "weight", lerp_many_'s "weights[k]", bema_'s "weights[k] (beta)".
+struct WeightName {
+  FusedKind kind;
+  size_t k;
+};
+
+std::ostream& operator<<(std::ostream& out, const WeightName& name) {
+  if (one_list(name.kind)) {
+    return out << "weight";
+  }
+  out << "weights[" << name.k << "]";
+  return name.kind == FusedKind::kBema ? out << " (" << kBemaWeights[name.k] << ")" : out;
+}
+
+// A key in messages: keys[i] of lerp_stochastic_, keys[k][i] of lerp_many_stochastic_.
+struct KeyName {
+  bool one_list;
+  size_t index;
+  size_t tensors;
+};
+
+std::ostream& operator<<(std::ostream& out, const KeyName& name) {
+  if (name.one_list) {
+    return out << "keys[" << name.index << "]";
+  }
+  return out << "keys[" << name.index / name.tensors << "][" << name.index % name.tensors << "]";
+}
+
+// A weight known on the host: finite, and within float32's range.
+FusedWeights host_weights(FusedKind kind, std::vector<double> values) {
+  for (size_t k = 0; k < values.size(); ++k) {
+    TORCH_CHECK_VALUE(std::isfinite(values[k]), text(kind).op, WeightName{kind, k},
+                      " must be finite, got ", values[k]);
+    TORCH_CHECK_VALUE(fits_float(values[k]), text(kind).op, WeightName{kind, k},
+                      " must fit a float32, got ", values[k]);
+  }
+  FusedWeights weights;
+  weights.tracks = values.size();
+  weights.values = std::move(values);
+  return weights;
+}
+
+// lerp_'s Python number: a float or an int (not a bool). The schema's Scalar keeps the Python
+// type, so that True is refused here as it is by fused_ema.lerp_.
+FusedWeights checked_scalar_weight(const c10::Scalar& weight) {
+  TORCH_CHECK_TYPE(weight.isFloatingPoint() || weight.isIntegral(/*includeBool=*/false),
+                   text(FusedKind::kLerp).op, "weight must be a float or a 0-dim tensor, got ",
+                   weight.isBoolean() ? "bool" : "complex");
+  return host_weights(FusedKind::kLerp, {weight.toDouble()});
+}
+
+// A weight or step tensor must be on the plan's device, or read on the host.
+void check_on_device(const at::Tensor* t, const char* name, const char* as, FusedKind kind,
+                     const DevicePlan& plan) {
+  const bool one = one_list(kind);
+  TORCH_CHECK(t == nullptr || t->device() == plan.device, text(kind).device_op, name, " is on ",
+              t->device(), " but ", one ? "ema" : "EMA", " tensors are on ", plan.device,
+              "; pass the ", name, " on the ", one ? "EMA's" : "EMAs'",
+              " device, on the CPU, or as ", as);
+}
+
+// The checks of a finished plan: a kernel for its device, the weights' and step's device.
+void check_device(const FusedCall& call, const DevicePlan& plan) {
+  TORCH_CHECK(runners()[static_cast<size_t>(plan.device.type())] != nullptr,
+              text(call.kind).device_op, "no kernel for tensors on ", plan.device,
+              " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
+  const bool one = one_list(call.kind);
+  check_on_device(call.weights.device_tensor, one ? "weight" : "weights",
+                  one ? "a float" : "floats", call.kind, plan);
+  check_on_device(call.rounding.step_tensor, "step", "an int", call.kind, plan);
+}
+
+// Seeds, keys and offsets against the lists; each tensor's offset leaves room for its elements.
+void check_rounding(const FusedCall& call, TensorRefs emas, TensorRefs src) {
+  const FusedRounding& r = call.rounding;
+  const char* op = text(call.kind).device_op;
+  const bool one = one_list(call.kind);
+  const size_t tensors = src.size();
+  const size_t tracks = call.weights.tracks;
+  TORCH_CHECK_VALUE(r.seeds.size() == tracks, op, "seeds has ", r.seeds.size(),
+                    " entries but there are ", tracks, " tracks (one seed per track)");
+  TORCH_CHECK_VALUE(
+      r.keys.size() == emas.size(), op, "keys has ", r.keys.size(), " entries but ",
+      one ? "ema" : "emas", " has ", emas.size(),
+      one ? " tensors"
+          : " tensors (one key per EMA tensor, track k's tensor i at k * len(src) + i)");
+  TORCH_CHECK_VALUE(r.offsets.size() == tensors, op, "offsets has ", r.offsets.size(),
+                    " entries but ", one ? "ema" : "src", " has ", tensors, " tensors");
+  for (size_t j = 0; j < r.keys.size(); ++j) {
+    TORCH_CHECK_VALUE(r.keys[j] >= 0 && r.keys[j] <= kMaxKey, op, KeyName{one, j, tensors}, " is ",
+                      r.keys[j], "; keys are 32-bit: 0 <= key <= ", kMaxKey);
+  }
+  // lerp_stochastic_ names each tensor by its ema, lerp_many_stochastic_ by its (shared) src.
+  const TensorRefs named = one ? emas : src;
+  const char* name = one ? "ema" : "src";
+  for (size_t i = 0; i < tensors; ++i) {
+    TORCH_CHECK_VALUE(named[i]->defined(), text(call.kind).op, name, "[", i,
+                      "] is an undefined tensor");
+    TORCH_CHECK_VALUE(r.offsets[i] >= 0, op, "offsets[", i, "] is ", r.offsets[i],
+                      "; an offset is the index of the tensor's first element, >= 0");
+    TORCH_CHECK_VALUE(r.offsets[i] <= INT64_MAX - named[i]->numel(), op, "offsets[", i, "] + ",
+                      name, "[", i, "].numel() overflows int64");
+  }
+}
+
+// The lists' lengths against the weights; bema_'s three targets of a tensor share its dtype. The
+// planner checks the rest of each (target, src) pair.
+void check_lists(const FusedCall& call, TensorRefs emas, TensorRefs src) {
+  const char* op = text(call.kind).op;
+  const size_t tensors = src.size();
+  const size_t tracks = call.weights.tracks;
+  if (one_list(call.kind)) {
+    TORCH_CHECK_VALUE(emas.size() == tensors, op, "ema has ", emas.size(), " tensors but src has ",
+                      tensors);
+  } else {
+    TORCH_CHECK_VALUE(emas.size() == tracks * tensors, op, "emas has ", emas.size(),
+                      " tensors but ", tracks, " weights of ", tensors, " src tensors need ",
+                      tracks * tensors, " (track k's tensor i at k * len(src) + i)");
+  }
+  for (size_t i = 0; call.bema() && i < tensors; ++i) {
+    for (size_t k = 0; k < tracks; ++k) {
+      TORCH_CHECK_VALUE(emas[k * tensors + i]->defined(), op, kBemaLists[k], "[", i,
+                        "] is an undefined tensor");
+    }
+    const auto type = emas[i]->scalar_type();
+    for (size_t k = 1; k < tracks; ++k) {
+      const auto other = emas[k * tensors + i]->scalar_type();
+      TORCH_CHECK_VALUE(other == type, op, kBemaLists[k], "[", i, "] is ", dtype_name(other),
+                        " but ema[", i, "] is ", dtype_name(type),
+                        "; ema, theta0 and out share the EMA dtype");
+    }
+  }
+  if (call.stochastic()) {
+    check_rounding(call, emas, src);
+  }
+}
+
+// Groups a plain call's pairs by tensor (the planner added them track by track), each tensor's in
+// the order they had.
+void group_by_tensor(DevicePlan& plan, size_t tensors, size_t tracks) {
+  std::vector<FlatPair>& pairs = plan.pairs;
+  if (tracks < 2 || pairs.size() < 2) {
+    return;
+  }
+  const TrackIndex at(tensors);
+  Scratch<uint32_t, 0> starts_scratch;
+  std::vector<uint32_t>& starts = starts_scratch.vec;
+  starts.assign(tensors + 1, 0);
+  for (const FlatPair& pair : pairs) {
+    ++starts[at.tensor(pair.index) + 1];
+  }
+  for (size_t i = 0; i < tensors; ++i) {
+    starts[i + 1] += starts[i];
+  }
+  Scratch<FlatPair, 0> grouped;
+  grouped.vec.resize(pairs.size());
+  for (const FlatPair& pair : pairs) {
+    grouped.vec[starts[at.tensor(pair.index)]++] = pair;
+  }
+  pairs.swap(grouped.vec);
+}
+
+// The plan without the pairs of tracks whose host weight is 0: they would leave every value as it
+// is, so no memory of theirs is touched (nor for NaN or infinite sources).
+DevicePlan without_zero_tracks(const DevicePlan& plan, size_t tensors,
+                               const std::vector<double>& values) {
+  DevicePlan kept(plan.device);
+  const TrackIndex at(tensors);
+  std::copy_if(plan.pairs.begin(), plan.pairs.end(), std::back_inserter(kept.pairs),
+               [&](const FlatPair& p) { return values[at.track(p.index)] != 0.0; });
+  kept.write_backs = plan.write_backs;  // a stand-in left alone holds what its EMA held
+  return kept;
+}
+
+// A dispatcher list as the planner's borrowed tensors.
+std::vector<const at::Tensor*> refs_of(at::TensorList tensors) {
+  std::vector<const at::Tensor*> out(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    out[i] = &tensors[i];
+  }
+  return out;
+}
+
+void fused_call(const FusedCall& call, at::TensorList emas, at::TensorList src) {
+  run_fused_call(call, plan_fused_call(call, refs_of(emas), refs_of(src)));
+}
+
+// The dispatcher's kernels (schemas in fused_ema.cpp).
+
+void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight) {
+  fused_call({FusedKind::kLerp, src.size(), checked_scalar_weight(weight)}, ema, src);
+}
+
+void lerp_tensor_weight_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight) {
+  fused_call({FusedKind::kLerp, src.size(), checked_weights(FusedKind::kLerp, weight)}, ema, src);
+}
+
+// A stochastic call: its weights, step, seeds, keys and offsets.
+FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
+                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
+                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
+  FusedCall call{kind, tensors, checked_weights(kind, weights)};
+  read_step(call.rounding, step, text(kind).device_op);
+  call.rounding.seeds = seeds;
+  call.rounding.keys = keys;
+  call.rounding.offsets = offsets;
+  return call;
+}
+
+void lerp_stochastic_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight,
+                        const at::Tensor& step, int64_t seed, at::IntArrayRef keys,
+                        at::IntArrayRef offsets) {
+  fused_call(
+      stochastic_call(FusedKind::kLerpStochastic, src.size(), weight, step, seed, keys, offsets),
+      ema, src);
+}
+
+void lerp_many_op(at::TensorList emas, at::TensorList src, const at::Tensor& weights) {
+  fused_call({FusedKind::kLerpMany, src.size(), checked_weights(FusedKind::kLerpMany, weights)},
+             emas, src);
+}
+
+void lerp_many_stochastic_op(at::TensorList emas, at::TensorList src, const at::Tensor& weights,
+                             const at::Tensor& step, at::IntArrayRef seeds, at::IntArrayRef keys,
+                             at::IntArrayRef offsets) {
+  fused_call(stochastic_call(FusedKind::kLerpManyStochastic, src.size(), weights, step, seeds, keys,
+                             offsets),
+             emas, src);
+}
+
+// bema_'s three lists become its tracks 0, 1, 2.
+void bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at::TensorList src,
+             const at::Tensor& weights) {
+  const FusedCall call{FusedKind::kBema, src.size(), checked_weights(FusedKind::kBema, weights)};
+  std::vector<const at::Tensor*> targets;
+  targets.reserve(3 * src.size());
+  const at::TensorList lists[] = {ema, theta0, out};
+  for (size_t k = 0; k < 3; ++k) {
+    TORCH_CHECK_VALUE(lists[k].size() == src.size(), text(call.kind).op, kBemaLists[k], " has ",
+                      lists[k].size(), " tensors but src has ", src.size());
+    for (const at::Tensor& t : lists[k]) {
+      targets.push_back(&t);
+    }
+  }
+  run_fused_call(call, plan_fused_call(call, targets, refs_of(src)));
+}
+
+}  // namespace
+
+bool register_fused_runner(c10::DeviceType type, FusedRunner runner) {
+  runners()[static_cast<size_t>(type)] = runner;
+  return true;
+}
+
+std::vector<std::string> devices_with_kernels() {
+  std::vector<std::string> names;
+  for (size_t t = 0; t < kNumDeviceTypes; ++t) {
+    if (runners()[t] != nullptr) {
+      names.push_back(c10::DeviceTypeName(static_cast<c10::DeviceType>(t), /*lower_case=*/true));
+    }
+  }
+  return names;
+}
+
+// A CPU tensor's weights are read here (a few numbers need no trip through the dispatcher); a
+// device's are left to its kernel.
+FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights) {
+  const char* op = text(kind).op;
+  const bool one = one_list(kind);
+  const char* name = one ? "weight" : "weights";
+  TORCH_CHECK_VALUE(weights.defined(), op, name, " is an undefined tensor");
+  if (one) {
+    TORCH_CHECK_VALUE(weights.numel() == 1 && weights.dim() <= 1, op,
+                      "a tensor weight must hold one element (a 0-dim tensor), got shape ",
+                      weights.sizes());
+  } else {
+    const bool bema = kind == FusedKind::kBema;
+    TORCH_CHECK_VALUE(weights.dim() == 1 && (bema ? weights.numel() == 3 : weights.numel() >= 1),
+                      op, "weights must be a 1-D tensor of ",
+                      bema ? "3 elements (beta, w0, alpha)" : "one weight per track (at least one)",
+                      ", got shape ", weights.sizes());
+  }
+  const auto type = weights.scalar_type();
+  TORCH_CHECK_VALUE(type == at::kFloat || type == at::kDouble, op,
+                    one ? "a tensor weight" : "weights", " must be float32 or float64, got ",
+                    dtype_name(type));
+  TORCH_CHECK(!(weights.requires_grad() && c10::GradMode::is_enabled()), op, name,
+              " requires grad; the EMA update is not differentiable");
+  const auto tracks = static_cast<size_t>(weights.numel());
+  const int64_t stride = weights.dim() == 0 ? 0 : weights.stride(0);
+  if (!weights.is_cpu()) {
+    FusedWeights checked;
+    checked.tracks = tracks;
+    checked.device_tensor = &weights;
+    checked.stride = stride;
+    return checked;
+  }
+  std::vector<double> values(tracks);
+  for (size_t k = 0; k < tracks; ++k) {
+    const auto j = static_cast<int64_t>(k) * stride;
+    values[k] = type == at::kFloat ? static_cast<double>(weights.const_data_ptr<float>()[j])
+                                   : weights.const_data_ptr<double>()[j];
+  }
+  return host_weights(kind, std::move(values));
+}
+
+void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op) {
+  TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
+  TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
+                    "step must be one int64 element (a 0-dim tensor), got ",
+                    dtype_name(step.scalar_type()), " of shape ", step.sizes());
+  rounding.step_tensor = step.is_cpu() ? nullptr : &step;
+  rounding.step = step.is_cpu() ? static_cast<uint64_t>(*step.const_data_ptr<int64_t>()) : 0;
+}
+
+std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src) {
+  TORCH_INTERNAL_ASSERT(call.tensors == src.size());
+  check_lists(call, emas, src);
+  // Row-major spans where elements are numbered (stochastic rounding), or where the three targets
+  // of a tensor must list its elements in one order (bema_).
+  const PairNames names{text(call.kind).op, one_list(call.kind) ? 0 : src.size(),
+                        call.bema() ? kBemaLists : nullptr};
+  std::vector<DevicePlan> plans = plan_pairs(
+      emas, src, call.stochastic() || call.bema(),
+      [&](const DevicePlan& plan) { check_device(call, plan); }, names);
+  for (DevicePlan& plan : plans) {
+    if (!call.bema()) {
+      group_by_tensor(plan, src.size(), call.weights.tracks);
+    }
+  }
+  return plans;
+}
+
+void run_fused_call(const FusedCall& call, const std::vector<DevicePlan>& plans) {
+  RECORD_FUNCTION(text(call.kind).record, std::vector<c10::IValue>());
+  const std::vector<double>& values = call.weights.values;
+  const bool some_zero = std::find(values.begin(), values.end(), 0.0) != values.end();
+  if (call.bema() && some_zero &&
+      std::all_of(values.begin(), values.end(), [](double w) { return w == 0.0; })) {
+    return;  // host weights all 0: every list stays as it is, untouched
+  }
+  for (const DevicePlan& whole : plans) {
+    // bema_'s kernels leave the lists of a zero weight alone themselves.
+    const bool drop = some_zero && !call.bema();
+    const DevicePlan kept =
+        drop ? without_zero_tracks(whole, call.tensors, values) : DevicePlan(whole.device);
+    runners()[static_cast<size_t>(whole.device.type())](drop ? kept : whole, call);
+  }
+}
+
+// The planner's pairs (track k's tensor i at k * tensors + i, in row-major order: stand-ins where
+// a layout differs) as one item per source tensor. Every pair of a tensor lists its elements in
+// the same order and its src holds the same values, so any of them serves as the item's src.
+std::vector<BemaItem> bema_items(const DevicePlan& plan, size_t tensors) {
+  std::vector<BemaItem> items(tensors, BemaItem{nullptr, nullptr, nullptr, nullptr, 0, {}});
+  for (const FlatPair& pair : plan.pairs) {
+    const size_t list = pair.index / tensors;
+    BemaItem& item = items[pair.index % tensors];
+    (list == 0 ? item.ema : list == 1 ? item.theta0 : item.out) = pair.ema;
+    item.src = pair.src;
+    item.numel = pair.numel;
+    item.kind = pair.kind;
+  }
+  size_t kept = 0;
+  for (const BemaItem& item : items) {
+    if (item.numel > 0) {
+      TORCH_INTERNAL_ASSERT(item.ema != nullptr && item.theta0 != nullptr && item.out != nullptr);
+      items[kept++] = item;
+    }
+  }
+  items.resize(kept);
+  return items;
+}
+
+void register_fused_ops(torch::Library& m) {
+  m.impl("lerp_", &lerp_op);
+  m.impl("lerp_.Tensor", &lerp_tensor_weight_op);
+  m.impl("lerp_stochastic_", &lerp_stochastic_op);
+  m.impl("lerp_many_", &lerp_many_op);
+  m.impl("lerp_many_stochastic_", &lerp_many_stochastic_op);
+  m.impl("bema_", &bema_op);
+}
+
+}  // namespace fused_ema
+
+// CPU and CUDA register the same kernels (cpu/, cuda/). These serve the calls the dispatcher
+// cannot route to a backend: empty lists (a no-op) and devices without a fused_ema kernel, which
+// get an error naming the device instead of the dispatcher's generic message.
+TORCH_LIBRARY_IMPL(fused_ema, CompositeExplicitAutograd, m) { fused_ema::register_fused_ops(m); }
