@@ -37,6 +37,7 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 CPU_SOURCES = [
     "csrc/fused_ema.cpp",
     "csrc/fused_op.cpp",
+    "csrc/fused_op_kernels.cpp",
     "csrc/grad_mode.cpp",
     "csrc/lerp_plan.cpp",
     "csrc/prepared_handles.cpp",

@@ -1,6 +1,6 @@
 // The driver of the fused-op family (see fused_op.h): the checks of the weights, the rounding
 // arguments and the lists with each op's own messages, the planning of the K * N pairs, and one
-// runner call per device. Also the dispatcher's kernels of lerp_, lerp_many_ and bema_.
+// runner call per device. The dispatcher's kernels are in fused_op_kernels.cpp.
 #include "fused_op.h"
 
 #include <ATen/record_function.h>
@@ -25,7 +25,6 @@ constexpr auto kNumDeviceTypes =
 // Keys are 32 bits of a stream's key (stochastic_round.h).
 constexpr int64_t kMaxKey = UINT32_MAX;
 
-constexpr const char* kBemaLists[] = {"ema", "theta0", "out"};
 constexpr const char* kBemaWeights[] = {"beta", "w0", "alpha"};
 
 // Per kind: the op that starts its messages, the one of its rounding and device checks (only
@@ -103,15 +102,6 @@ FusedWeights host_weights(FusedKind kind, std::vector<double> values) {
   weights.tracks = values.size();
   weights.values = std::move(values);
   return weights;
-}
-
-// lerp_'s Python number: a float or an int (not a bool). The schema's Scalar keeps the Python
-// type, so that True is refused here as it is by fused_ema.lerp_.
-FusedWeights checked_scalar_weight(const c10::Scalar& weight) {
-  TORCH_CHECK_TYPE(weight.isFloatingPoint() || weight.isIntegral(/*includeBool=*/false),
-                   text(FusedKind::kLerp).op, "weight must be a float or a 0-dim tensor, got ",
-                   weight.isBoolean() ? "bool" : "complex");
-  return host_weights(FusedKind::kLerp, {weight.toDouble()});
 }
 
 // A weight or step tensor must be on the plan's device, or read on the host.
@@ -237,79 +227,6 @@ DevicePlan without_zero_tracks(const DevicePlan& plan, size_t tensors,
   return kept;
 }
 
-// A dispatcher list as the planner's borrowed tensors.
-std::vector<const at::Tensor*> refs_of(at::TensorList tensors) {
-  std::vector<const at::Tensor*> out(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    out[i] = &tensors[i];
-  }
-  return out;
-}
-
-void fused_call(const FusedCall& call, at::TensorList emas, at::TensorList src) {
-  run_fused_call(call, plan_fused_call(call, refs_of(emas), refs_of(src)));
-}
-
-// The dispatcher's kernels (schemas in fused_ema.cpp).
-
-void lerp_op(at::TensorList ema, at::TensorList src, const c10::Scalar& weight) {
-  fused_call({FusedKind::kLerp, src.size(), checked_scalar_weight(weight)}, ema, src);
-}
-
-void lerp_tensor_weight_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight) {
-  fused_call({FusedKind::kLerp, src.size(), checked_weights(FusedKind::kLerp, weight)}, ema, src);
-}
-
-// A stochastic call: its weights, step, seeds, keys and offsets.
-FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
-                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
-                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
-  FusedCall call{kind, tensors, checked_weights(kind, weights)};
-  read_step(call.rounding, step, text(kind).device_op);
-  call.rounding.seeds = seeds;
-  call.rounding.keys = keys;
-  call.rounding.offsets = offsets;
-  return call;
-}
-
-void lerp_stochastic_op(at::TensorList ema, at::TensorList src, const at::Tensor& weight,
-                        const at::Tensor& step, int64_t seed, at::IntArrayRef keys,
-                        at::IntArrayRef offsets) {
-  fused_call(
-      stochastic_call(FusedKind::kLerpStochastic, src.size(), weight, step, seed, keys, offsets),
-      ema, src);
-}
-
-void lerp_many_op(at::TensorList emas, at::TensorList src, const at::Tensor& weights) {
-  fused_call({FusedKind::kLerpMany, src.size(), checked_weights(FusedKind::kLerpMany, weights)},
-             emas, src);
-}
-
-void lerp_many_stochastic_op(at::TensorList emas, at::TensorList src, const at::Tensor& weights,
-                             const at::Tensor& step, at::IntArrayRef seeds, at::IntArrayRef keys,
-                             at::IntArrayRef offsets) {
-  fused_call(stochastic_call(FusedKind::kLerpManyStochastic, src.size(), weights, step, seeds, keys,
-                             offsets),
-             emas, src);
-}
-
-// bema_'s three lists become its tracks 0, 1, 2.
-void bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at::TensorList src,
-             const at::Tensor& weights) {
-  const FusedCall call{FusedKind::kBema, src.size(), checked_weights(FusedKind::kBema, weights)};
-  std::vector<const at::Tensor*> targets;
-  targets.reserve(3 * src.size());
-  const at::TensorList lists[] = {ema, theta0, out};
-  for (size_t k = 0; k < 3; ++k) {
-    TORCH_CHECK_VALUE(lists[k].size() == src.size(), text(call.kind).op, kBemaLists[k], " has ",
-                      lists[k].size(), " tensors but src has ", src.size());
-    for (const at::Tensor& t : lists[k]) {
-      targets.push_back(&t);
-    }
-  }
-  run_fused_call(call, plan_fused_call(call, targets, refs_of(src)));
-}
-
 }  // namespace
 
 bool register_fused_runner(c10::DeviceType type, FusedRunner runner) {
@@ -378,6 +295,29 @@ void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op) 
   rounding.step = step.is_cpu() ? static_cast<uint64_t>(*step.const_data_ptr<int64_t>()) : 0;
 }
 
+// lerp_'s Python number: a float or an int (not a bool). The schema's Scalar keeps the Python
+// type, so that True is refused here as it is by fused_ema.lerp_.
+FusedWeights checked_scalar_weight(const c10::Scalar& weight) {
+  TORCH_CHECK_TYPE(weight.isFloatingPoint() || weight.isIntegral(/*includeBool=*/false),
+                   text(FusedKind::kLerp).op, "weight must be a float or a 0-dim tensor, got ",
+                   weight.isBoolean() ? "bool" : "complex");
+  return host_weights(FusedKind::kLerp, {weight.toDouble()});
+}
+
+// A stochastic call: its weights, step, seeds, keys and offsets.
+FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
+                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
+                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
+  FusedCall call{kind, tensors, checked_weights(kind, weights)};
+  read_step(call.rounding, step, text(kind).device_op);
+  call.rounding.seeds = seeds;
+  call.rounding.keys = keys;
+  call.rounding.offsets = offsets;
+  return call;
+}
+
+const char* op_prefix(FusedKind kind) { return text(kind).op; }
+
 std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src) {
   TORCH_INTERNAL_ASSERT(call.tensors == src.size());
   check_lists(call, emas, src);
@@ -437,18 +377,4 @@ std::vector<BemaItem> bema_items(const DevicePlan& plan, size_t tensors) {
   return items;
 }
 
-void register_fused_ops(torch::Library& m) {
-  m.impl("lerp_", &lerp_op);
-  m.impl("lerp_.Tensor", &lerp_tensor_weight_op);
-  m.impl("lerp_stochastic_", &lerp_stochastic_op);
-  m.impl("lerp_many_", &lerp_many_op);
-  m.impl("lerp_many_stochastic_", &lerp_many_stochastic_op);
-  m.impl("bema_", &bema_op);
-}
-
 }  // namespace fused_ema
-
-// CPU and CUDA register the same kernels (cpu/, cuda/). These serve the calls the dispatcher
-// cannot route to a backend: empty lists (a no-op) and devices without a fused_ema kernel, which
-// get an error naming the device instead of the dispatcher's generic message.
-TORCH_LIBRARY_IMPL(fused_ema, CompositeExplicitAutograd, m) { fused_ema::register_fused_ops(m); }

@@ -78,6 +78,20 @@ FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights);
 // A stochastic call's step: one int64 element, read here from the CPU, else left to the kernel.
 void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op);
 
+// lerp_'s Python number as its weight: a float or an int (not a bool), finite.
+FusedWeights checked_scalar_weight(const c10::Scalar& weight);
+
+// A stochastic call of `kind` over `tensors` sources: its weights, step, seeds, keys and offsets.
+FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
+                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
+                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets);
+
+// What starts the messages of a call of `kind` ("fused_ema.lerp_: ", ...).
+const char* op_prefix(FusedKind kind);
+
+// bema_'s lists, tracks 0, 1 and 2 of its call.
+inline constexpr const char* kBemaLists[] = {"ema", "theta0", "out"};
+
 // A call in two halves: every check (counts, rounding, pairs, devices) and the plans, then the
 // runs. A prepared update keeps the plans and runs them again. `emas` holds the tracks one after
 // another (bema_: ema, theta0, out).
@@ -118,8 +132,8 @@ class TrackIndex {
   uint64_t magic_;
 };
 
-// The dispatcher's kernels (schemas in fused_ema.cpp), registered for the CPU, CUDA and, for empty
-// lists and devices without a kernel, CompositeExplicitAutograd.
+// The dispatcher's kernels (fused_op_kernels.cpp; schemas in fused_ema.cpp), registered for the
+// CPU, CUDA and, for empty lists and devices without a kernel, CompositeExplicitAutograd.
 void register_fused_ops(torch::Library& m);
 
 }  // namespace fused_ema
