@@ -41,31 +41,48 @@ PyObject* python_prepared_runs(PyObject* module, PyObject* handle);
 PyObject* python_without_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace fused_ema
 
+namespace {
+
+// The ops that write their tensors; fused_ema_checks declares each again, writing nothing.
+constexpr const char* kWritingOps[] = {
+    "lerp_(Tensor(a!)[] ema, Tensor[] src, Scalar weight) -> ()",
+    "lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()",
+    // lerp_ with bfloat16/float16 EMAs rounded stochastically (stochastic_round.h): weight and
+    // step are one-element tensors the kernels read; keys and offsets hold one entry per tensor.
+    "lerp_stochastic_(Tensor(a!)[] ema, Tensor[] src, Tensor weight, Tensor step, int seed, "
+    "int[] keys, int[] offsets) -> ()",
+    // K EMA tracks of one list of sources, each track as lerp_ (lerp_stochastic_) with its own
+    // weight, each source read once. Schemas take no list of lists: emas holds the tracks one
+    // after another (track k's tensor i at k * len(src) + i); weights has K float32/float64
+    // elements, seeds one per track, keys one per EMA tensor (as emas), offsets one per src.
+    "lerp_many_(Tensor(a!)[] emas, Tensor[] src, Tensor weights) -> ()",
+    "lerp_many_stochastic_(Tensor(a!)[] emas, Tensor[] src, Tensor weights, Tensor step, "
+    "int[] seeds, int[] keys, int[] offsets) -> ()",
+    // BEMA (bias-corrected EMA) of one list of sources, each read once: with weights = (beta, w0,
+    // alpha), ema as lerp_ with beta, theta0 as lerp_ with w0, then out = ema + alpha * (src -
+    // theta0) from the new values (fused_op.h); a weight of 0 leaves its list as it is.
+    "bema_(Tensor(a!)[] ema, Tensor(b!)[] theta0, Tensor(c!)[] out, Tensor[] src, "
+    "Tensor weights) -> ()",
+    // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
+    // config = (decay, min_decay, warmup_gamma, ..., bias_power: schedule.cpp).
+    "ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()",
+};
+
+// A schema without its alias annotations ("Tensor(a!)[]" -> "Tensor[]").
+std::string without_writes(std::string schema) {
+  for (size_t end = schema.find("!)"); end != std::string::npos; end = schema.find("!)")) {
+    const size_t begin = schema.rfind('(', end);
+    schema.erase(begin, end + 2 - begin);
+  }
+  return schema;
+}
+
+}  // namespace
+
 TORCH_LIBRARY(fused_ema, m) {
-  m.def("lerp_(Tensor(a!)[] ema, Tensor[] src, Scalar weight) -> ()");
-  m.def("lerp_.Tensor(Tensor(a!)[] ema, Tensor[] src, Tensor weight) -> ()");
-  // lerp_ with bfloat16/float16 EMAs rounded stochastically (stochastic_round.h): weight and step
-  // are one-element tensors the kernels read; keys and offsets hold one entry per tensor.
-  m.def(
-      "lerp_stochastic_(Tensor(a!)[] ema, Tensor[] src, Tensor weight, Tensor step, int seed, "
-      "int[] keys, int[] offsets) -> ()");
-  // K EMA tracks of one list of sources, each track as lerp_ (lerp_stochastic_) with its own
-  // weight, each source read once. Schemas take no list of lists: emas holds the tracks one after
-  // another (track k's tensor i at k * len(src) + i); weights has K float32/float64 elements,
-  // seeds one per track, keys one per EMA tensor (as emas), offsets one per src tensor.
-  m.def("lerp_many_(Tensor(a!)[] emas, Tensor[] src, Tensor weights) -> ()");
-  m.def(
-      "lerp_many_stochastic_(Tensor(a!)[] emas, Tensor[] src, Tensor weights, Tensor step, "
-      "int[] seeds, int[] keys, int[] offsets) -> ()");
-  // BEMA (bias-corrected EMA) of one list of sources, each read once: with weights = (beta, w0,
-  // alpha), ema as lerp_ with beta, theta0 as lerp_ with w0, then out = ema + alpha * (src -
-  // theta0) from the new values (fused_op.h); a weight of 0 leaves its list as it is.
-  m.def(
-      "bema_(Tensor(a!)[] ema, Tensor(b!)[] theta0, Tensor(c!)[] out, Tensor[] src, "
-      "Tensor weights) -> ()");
-  // ModelEma's step counter and decay schedule (schedule_formula.h); out = (weight, decay),
-  // config = (decay, min_decay, warmup_gamma, warmup_power, update_after_step, update_every).
-  m.def("ema_schedule_(Tensor(a!) step, Tensor(b!) out, Tensor config, bool advance) -> ()");
+  for (const char* schema : kWritingOps) {
+    m.def(schema);
+  }
   // A ModelEma update prepared once (prepared_update.h): made from its schedules' (step, out,
   // config) triples, given its fused calls (kind: 0 lerp_, 1 lerp_stochastic_, 2 lerp_many_,
   // 3 lerp_many_stochastic_, 4 bema_) and copies, then run by handle (fused_ema._C.run_prepared).
@@ -73,7 +90,14 @@ TORCH_LIBRARY(fused_ema, m) {
   m.def(
       "prepared_add_call(int handle, int kind, Tensor[] emas, Tensor[] src, Tensor weights, "
       "int[] joint, Tensor? step, int[] seeds, int[] keys, int[] offsets) -> ()");
-  m.def("prepared_add_copies(int handle, Tensor[] dst, Tensor[] src) -> ()");
+  m.def("prepared_add_copies(int handle, Tensor[] dst, Tensor[] src, bool staging) -> ()");
+}
+
+// Each writing op's checks alone, for its fake kernel (fused_ema/_ext/op_meta.py).
+TORCH_LIBRARY(fused_ema_checks, m) {
+  for (const char* schema : kWritingOps) {
+    m.def(without_writes(schema).c_str());
+  }
 }
 
 namespace {

@@ -106,12 +106,20 @@ FusedWeights host_weights(FusedKind kind, std::vector<double> values) {
 
 // A weight or step tensor must be on the plan's device, or read on the host.
 void check_on_device(const at::Tensor* t, const char* name, const char* as, FusedKind kind,
-                     const DevicePlan& plan) {
+                     c10::Device device) {
   const bool one = one_list(kind);
-  TORCH_CHECK(t == nullptr || t->device() == plan.device, text(kind).device_op, name, " is on ",
-              t->device(), " but ", one ? "ema" : "EMA", " tensors are on ", plan.device,
+  TORCH_CHECK(t == nullptr || t->is_cpu() || t->device() == device, text(kind).device_op, name,
+              " is on ", t->device(), " but ", one ? "ema" : "EMA", " tensors are on ", device,
               "; pass the ", name, " on the ", one ? "EMA's" : "EMAs'",
               " device, on the CPU, or as ", as);
+}
+
+// The weights' and step's device against the EMA tensors' `device`.
+void check_weights_device(const FusedCall& call, c10::Device device) {
+  const bool one = one_list(call.kind);
+  check_on_device(call.weights.device_tensor, one ? "weight" : "weights",
+                  one ? "a float" : "floats", call.kind, device);
+  check_on_device(call.rounding.step_tensor, "step", "an int", call.kind, device);
 }
 
 // The checks of a finished plan: a kernel for its device, the weights' and step's device.
@@ -119,10 +127,13 @@ void check_device(const FusedCall& call, const DevicePlan& plan) {
   TORCH_CHECK(runners()[static_cast<size_t>(plan.device.type())] != nullptr,
               text(call.kind).device_op, "no kernel for tensors on ", plan.device,
               " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
-  const bool one = one_list(call.kind);
-  check_on_device(call.weights.device_tensor, one ? "weight" : "weights",
-                  one ? "a float" : "floats", call.kind, plan);
-  check_on_device(call.rounding.step_tensor, "step", "an int", call.kind, plan);
+  check_weights_device(call, plan.device);
+}
+
+// How a call's errors name its pairs.
+PairNames pair_names(const FusedCall& call, size_t tensors) {
+  return {text(call.kind).op, one_list(call.kind) ? 0 : tensors,
+          call.bema() ? kBemaLists : nullptr};
 }
 
 // Seeds, keys and offsets against the lists; each tensor's offset leaves room for its elements.
@@ -246,7 +257,7 @@ std::vector<std::string> devices_with_kernels() {
 
 // A CPU tensor's weights are read here (a few numbers need no trip through the dispatcher); a
 // device's are left to its kernel.
-FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights) {
+FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights, bool read) {
   const char* op = text(kind).op;
   const bool one = one_list(kind);
   const char* name = one ? "weight" : "weights";
@@ -270,7 +281,7 @@ FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights) {
               " requires grad; the EMA update is not differentiable");
   const auto tracks = static_cast<size_t>(weights.numel());
   const int64_t stride = weights.dim() == 0 ? 0 : weights.stride(0);
-  if (!weights.is_cpu()) {
+  if (!weights.is_cpu() || !read) {
     FusedWeights checked;
     checked.tracks = tracks;
     checked.device_tensor = &weights;
@@ -286,13 +297,14 @@ FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights) {
   return host_weights(kind, std::move(values));
 }
 
-void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op) {
+void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op, bool read) {
   TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
   TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
                     "step must be one int64 element (a 0-dim tensor), got ",
                     dtype_name(step.scalar_type()), " of shape ", step.sizes());
-  rounding.step_tensor = step.is_cpu() ? nullptr : &step;
-  rounding.step = step.is_cpu() ? static_cast<uint64_t>(*step.const_data_ptr<int64_t>()) : 0;
+  const bool on_host = step.is_cpu() && read;
+  rounding.step_tensor = on_host ? nullptr : &step;
+  rounding.step = on_host ? static_cast<uint64_t>(*step.const_data_ptr<int64_t>()) : 0;
 }
 
 // lerp_'s Python number: a float or an int (not a bool). The schema's Scalar keeps the Python
@@ -301,15 +313,20 @@ FusedWeights checked_scalar_weight(const c10::Scalar& weight) {
   TORCH_CHECK_TYPE(weight.isFloatingPoint() || weight.isIntegral(/*includeBool=*/false),
                    text(FusedKind::kLerp).op, "weight must be a float or a 0-dim tensor, got ",
                    weight.isBoolean() ? "bool" : "complex");
+  if (weight.isSymbolic()) {  // traced (a fake kernel): checked when the op runs
+    FusedWeights traced;
+    traced.tracks = 1;
+    return traced;
+  }
   return host_weights(FusedKind::kLerp, {weight.toDouble()});
 }
 
 // A stochastic call: its weights, step, seeds, keys and offsets.
 FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
                           const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
-                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets) {
-  FusedCall call{kind, tensors, checked_weights(kind, weights)};
-  read_step(call.rounding, step, text(kind).device_op);
+                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets, bool read) {
+  FusedCall call{kind, tensors, checked_weights(kind, weights, read)};
+  read_step(call.rounding, step, text(kind).device_op, read);
   call.rounding.seeds = seeds;
   call.rounding.keys = keys;
   call.rounding.offsets = offsets;
@@ -323,17 +340,31 @@ std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, 
   check_lists(call, emas, src);
   // Row-major spans where elements are numbered (stochastic rounding), or where the three targets
   // of a tensor must list its elements in one order (bema_).
-  const PairNames names{text(call.kind).op, one_list(call.kind) ? 0 : src.size(),
-                        call.bema() ? kBemaLists : nullptr};
   std::vector<DevicePlan> plans = plan_pairs(
       emas, src, call.stochastic() || call.bema(),
-      [&](const DevicePlan& plan) { check_device(call, plan); }, names);
+      [&](const DevicePlan& plan) { check_device(call, plan); }, pair_names(call, src.size()));
   for (DevicePlan& plan : plans) {
     if (!call.bema()) {
       group_by_tensor(plan, src.size(), call.weights.tracks);
     }
   }
   return plans;
+}
+
+void check_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src) {
+  TORCH_INTERNAL_ASSERT(call.tensors == src.size());
+  check_lists(call, emas, src);
+  const PairNames names = pair_names(call, src.size());
+  std::vector<c10::Device> devices;
+  for (size_t j = 0; j < emas.size(); ++j) {  // in plan_pairs's order
+    check_pair(*emas[j], *src[j % src.size()], static_cast<int64_t>(j), names);
+    if (std::find(devices.begin(), devices.end(), emas[j]->device()) == devices.end()) {
+      devices.push_back(emas[j]->device());
+    }
+  }
+  for (const c10::Device& device : devices) {
+    check_weights_device(call, device);
+  }
 }
 
 void run_fused_call(const FusedCall& call, const std::vector<DevicePlan>& plans) {

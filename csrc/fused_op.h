@@ -72,11 +72,12 @@ bool register_fused_runner(c10::DeviceType type, FusedRunner runner);
 std::vector<std::string> devices_with_kernels();
 
 // The checks of a call's weights: a tensor of K float32/float64 elements (lerp_'s one), read here
-// from the CPU; host values must be finite and fit a float32.
-FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights);
+// from the CPU when `read`; host values must be finite and fit a float32.
+FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights, bool read = true);
 
-// A stochastic call's step: one int64 element, read here from the CPU, else left to the kernel.
-void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op);
+// A stochastic call's step: one int64 element, read here from the CPU when `read`, else left to
+// the kernel.
+void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op, bool read = true);
 
 // lerp_'s Python number as its weight: a float or an int (not a bool), finite.
 FusedWeights checked_scalar_weight(const c10::Scalar& weight);
@@ -84,7 +85,8 @@ FusedWeights checked_scalar_weight(const c10::Scalar& weight);
 // A stochastic call of `kind` over `tensors` sources: its weights, step, seeds, keys and offsets.
 FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
                           const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
-                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets);
+                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets,
+                          bool read = true);
 
 // What starts the messages of a call of `kind` ("fused_ema.lerp_: ", ...).
 const char* op_prefix(FusedKind kind);
@@ -97,6 +99,10 @@ inline constexpr const char* kBemaLists[] = {"ema", "theta0", "out"};
 // another (bema_: ema, theta0, out).
 std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src);
 void run_fused_call(const FusedCall& call, const std::vector<DevicePlan>& plans);
+
+// plan_fused_call's checks that need no memory (no overlap, no kernel for the device), for the
+// fake kernels: the call's values (weights, step) need not have been read.
+void check_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src);
 
 // One source tensor of bema_ as a runner receives it: four dense views of numel elements in the
 // same (row-major) order, ema, theta0 and out of one dtype; `kind` is the (ema, src) dtype pair.
@@ -135,5 +141,9 @@ class TrackIndex {
 // The dispatcher's kernels (fused_op_kernels.cpp; schemas in fused_ema.cpp), registered for the
 // CPU, CUDA and, for empty lists and devices without a kernel, CompositeExplicitAutograd.
 void register_fused_ops(torch::Library& m);
+
+// The same kernels checking only (check_fused_call), for fused_ema_checks's twin ops: the fake
+// kernels run them on FakeTensors, so traced calls fail with the messages of eager ones.
+void register_fused_checks(torch::Library& m);
 
 }  // namespace fused_ema

@@ -116,41 +116,6 @@ bool same_src(const PairNames& names, int64_t a, int64_t b) {
   return tensors == 0 ? a == b : a % tensors == b % tensors;
 }
 
-void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairNames& names) {
-  const char* op = names.op;
-  const EmaName ema{names, i};
-  const SrcName src{names, i};
-  TORCH_CHECK(e.defined(), op, ema, " is an undefined tensor");
-  TORCH_CHECK(s.defined(), op, src, " is an undefined tensor");
-  TORCH_CHECK(s.device() == e.device(), op, src, " is on ", s.device(), " but ", ema, " is on ",
-              e.device(),
-              "; each pair must share a device (move src to the EMA's device first, as "
-              "fused_ema.ModelEma does)");
-  TORCH_CHECK_VALUE(e.layout() == c10::kStrided && s.layout() == c10::kStrided, op, ema, " and ",
-                    src, " must be dense (strided) tensors, got layouts ", e.layout(), " and ",
-                    s.layout());
-  const auto et = e.scalar_type();
-  const auto st = s.scalar_type();
-  TORCH_CHECK_VALUE(at::isFloatingType(et), op, ema, " has dtype ", dtype_name(et),
-                    "; only floating-point tensors can be averaged");
-  TORCH_CHECK_VALUE(at::isFloatingType(st), op, src, " has dtype ", dtype_name(st),
-                    "; only floating-point tensors can be averaged");
-  TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), op, "unsupported dtype pair at ",
-                    PairName{names, i}, ": ema ", dtype_name(et), ", src ", dtype_name(st),
-                    "; supported (ema, src) pairs: ", supported_pairs_text());
-  TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), op, src, " has shape ", s.sizes(), " but ",
-                    ema, " has shape ", e.sizes());
-  TORCH_CHECK(e.is_contiguous() || at::has_internal_overlap(e) != at::MemOverlap::Yes, op, ema,
-              " has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
-              "be updated in place");
-  TORCH_CHECK(!(e.requires_grad() && c10::GradMode::is_enabled()), op, ema,
-              " requires grad and grad mode is on; the EMA update is not differentiable, so "
-              "call it under torch.no_grad()");
-  TORCH_CHECK(!e.is_inference() || c10::InferenceMode::is_enabled(), op, ema,
-              " is an inference tensor, which cannot be updated in place outside "
-              "torch.inference_mode(); clone it first");
-}
-
 bool dense_pair(const at::Tensor& e, const at::Tensor& s, bool e_contiguous, bool s_contiguous) {
   return (e_contiguous && s_contiguous) ||
          (e.is_non_overlapping_and_dense() && s.strides() == e.strides());
@@ -238,6 +203,41 @@ std::vector<FlatPair>& spare_pairs() {
 }
 
 }  // namespace
+
+void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairNames& names) {
+  const char* op = names.op;
+  const EmaName ema{names, i};
+  const SrcName src{names, i};
+  TORCH_CHECK(e.defined(), op, ema, " is an undefined tensor");
+  TORCH_CHECK(s.defined(), op, src, " is an undefined tensor");
+  TORCH_CHECK(s.device() == e.device(), op, src, " is on ", s.device(), " but ", ema, " is on ",
+              e.device(),
+              "; each pair must share a device (move src to the EMA's device first, as "
+              "fused_ema.ModelEma does)");
+  TORCH_CHECK_VALUE(e.layout() == c10::kStrided && s.layout() == c10::kStrided, op, ema, " and ",
+                    src, " must be dense (strided) tensors, got layouts ", e.layout(), " and ",
+                    s.layout());
+  const auto et = e.scalar_type();
+  const auto st = s.scalar_type();
+  TORCH_CHECK_VALUE(at::isFloatingType(et), op, ema, " has dtype ", dtype_name(et),
+                    "; only floating-point tensors can be averaged");
+  TORCH_CHECK_VALUE(at::isFloatingType(st), op, src, " has dtype ", dtype_name(st),
+                    "; only floating-point tensors can be averaged");
+  TORCH_CHECK_VALUE(pair_kind(et, st).has_value(), op, "unsupported dtype pair at ",
+                    PairName{names, i}, ": ema ", dtype_name(et), ", src ", dtype_name(st),
+                    "; supported (ema, src) pairs: ", supported_pairs_text());
+  TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), op, src, " has shape ", s.sizes(), " but ",
+                    ema, " has shape ", e.sizes());
+  TORCH_CHECK(e.is_contiguous() || at::has_internal_overlap(e) != at::MemOverlap::Yes, op, ema,
+              " has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
+              "be updated in place");
+  TORCH_CHECK(!(e.requires_grad() && c10::GradMode::is_enabled()), op, ema,
+              " requires grad and grad mode is on; the EMA update is not differentiable, so "
+              "call it under torch.no_grad()");
+  TORCH_CHECK(!e.is_inference() || c10::InferenceMode::is_enabled(), op, ema,
+              " is an inference tensor, which cannot be updated in place outside "
+              "torch.inference_mode(); clone it first");
+}
 
 DevicePlan::~DevicePlan() {
   if (pairs.capacity() > spare_pairs().capacity()) {

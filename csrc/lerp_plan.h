@@ -120,6 +120,10 @@ struct PairNames {
   const char* const* track_names = nullptr;  // one name per track, or emas[k]
 };
 
+// The checks of one (ema, src) pair, pair `i` as `names` names it: defined, one device, strided,
+// a supported dtype pair, one shape, no internal overlap, no autograd. Metadata only.
+void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairNames& names);
+
 // Checks (ema, src) pairs one at a time and flattens them into per-device plans; nothing is
 // written until finish(). It serves every call of the family (plan_pairs). Pairs must be added in
 // index order; the tensors must outlive finish().

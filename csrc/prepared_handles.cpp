@@ -69,8 +69,8 @@ void prepared_add_call(int64_t handle, int64_t kind, at::TensorList emas, at::Te
   found(handle)->add_call(std::move(call));
 }
 
-void prepared_add_copies(int64_t handle, at::TensorList dst, at::TensorList src) {
-  found(handle)->add_copies(dst.vec(), src.vec());
+void prepared_add_copies(int64_t handle, at::TensorList dst, at::TensorList src, bool staging) {
+  found(handle)->add_copies(dst.vec(), src.vec(), staging);
 }
 
 // Sets the Python error of a C++ exception: ValueError, TypeError, IndexError, NotImplementedError

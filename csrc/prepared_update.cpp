@@ -108,14 +108,16 @@ void PreparedUpdate::add_call(PreparedCall call) {
   reusable_ = false;
 }
 
-void PreparedUpdate::add_copies(std::vector<at::Tensor> dst, std::vector<at::Tensor> src) {
+void PreparedUpdate::add_copies(std::vector<at::Tensor> dst, std::vector<at::Tensor> src,
+                                bool staging) {
   TORCH_CHECK_VALUE(dst.size() == src.size(), kOp, "copies: ", dst.size(), " targets but ",
                     src.size(), " sources");
+  Copies& copies = staging ? staging_ : copies_;
   for (size_t i = 0; i < dst.size(); ++i) {
     TORCH_CHECK_VALUE(dst[i].defined() && src[i].defined(), kOp, "copies: tensor ", i,
                       " is undefined");
-    copy_dst_.push_back(std::move(dst[i]));
-    copy_src_.push_back(std::move(src[i]));
+    copies.dst.push_back(std::move(dst[i]));
+    copies.src.push_back(std::move(src[i]));
   }
   reusable_ = false;
 }
@@ -173,12 +175,14 @@ void PreparedUpdate::plan() {
       watched_.push_back(&t);
     }
   }
-  for (size_t i = 0; i < copy_dst_.size(); ++i) {
-    TORCH_CHECK_VALUE(copy_dst_[i].sizes() == copy_src_[i].sizes(), kOp, "copies: source ", i,
-                      " has shape ", copy_src_[i].sizes(), " but its target has ",
-                      copy_dst_[i].sizes());
-    watched_.push_back(&copy_dst_[i]);
-    watched_.push_back(&copy_src_[i]);
+  for (const Copies* copies : {&staging_, &copies_}) {
+    for (size_t i = 0; i < copies->dst.size(); ++i) {
+      TORCH_CHECK_VALUE(copies->dst[i].sizes() == copies->src[i].sizes(), kOp, "copies: source ", i,
+                        " has shape ", copies->src[i].sizes(), " but its target has ",
+                        copies->dst[i].sizes());
+      watched_.push_back(&copies->dst[i]);
+      watched_.push_back(&copies->src[i]);
+    }
   }
   if (reusable) {  // stand-ins hold copies of the values they were planned with
     states_.reserve(watched_.size());
@@ -219,6 +223,31 @@ void PreparedUpdate::run_call(const PreparedCall& call) {
   run_fused_call(fused_call_of(call), call.plans);
 }
 
+bool PreparedUpdate::weights_all_zero() const {
+  for (size_t s = 0; s < schedules_.size(); s += 3) {
+    const at::Tensor& out = schedules_[s + 1];  // (weight, decay)
+    if (!out.is_cpu() || *out.const_data_ptr<double>() != 0.0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void PreparedUpdate::Copies::run() const {
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const at::Tensor& d = dst[i];
+    const at::Tensor& s = src[i];
+    // A CPU buffer of the same dtype (num_batches_tracked) is a memcpy: copy_ costs microseconds.
+    if (d.is_cpu() && s.is_cpu() && d.scalar_type() == s.scalar_type() && d.is_contiguous() &&
+        s.is_contiguous()) {
+      std::memcpy(d.mutable_data_ptr(), s.const_data_ptr(), d.nbytes());
+      d.unsafeGetTensorImpl()->bump_version();
+    } else {
+      d.copy_(s);  // blocking: a copy into pinned host memory has landed when it returns
+    }
+  }
+}
+
 bool PreparedUpdate::run(StepMode mode, int64_t step, bool replan) {
   const c10::AutoGradMode no_grad(false);
   if (unchanged()) {
@@ -241,21 +270,15 @@ bool PreparedUpdate::run(StepMode mode, int64_t step, bool replan) {
     return false;
   }
   advance(mode, step);
+  if (!staging_.dst.empty() && !weights_all_zero()) {
+    // Staged sources are copied only when they will be read: update_every's skipped steps have
+    // host weights of 0, and cross-device copies are not free.
+    staging_.run();
+  }
   for (const PreparedCall& call : calls_) {
     run_call(call);
   }
-  for (size_t i = 0; i < copy_dst_.size(); ++i) {
-    at::Tensor& dst = copy_dst_[i];
-    const at::Tensor& src = copy_src_[i];
-    // A CPU buffer of the same dtype (num_batches_tracked) is a memcpy: copy_ costs microseconds.
-    if (dst.is_cpu() && src.is_cpu() && dst.scalar_type() == src.scalar_type() &&
-        dst.is_contiguous() && src.is_contiguous()) {
-      std::memcpy(dst.mutable_data_ptr(), src.const_data_ptr(), dst.nbytes());
-      dst.unsafeGetTensorImpl()->bump_version();
-    } else {
-      dst.copy_(src);
-    }
-  }
+  copies_.run();
   ++runs_;
   return true;
 }

@@ -53,7 +53,9 @@ class PreparedUpdate {
   explicit PreparedUpdate(std::vector<at::Tensor> schedules);
 
   void add_call(PreparedCall call);
-  void add_copies(std::vector<at::Tensor> dst, std::vector<at::Tensor> src);
+  // Copies dst[i] <- src[i] of each run: after the calls, or, `staging`, before them (sources
+  // copied next to their EMA: another device, or a dtype the kernels take).
+  void add_copies(std::vector<at::Tensor> dst, std::vector<at::Tensor> src, bool staging);
 
   // One update. False, having changed nothing, when a tensor is no longer what was planned and
   // `replan` is false; with `replan`, plans again (the ops' own checks and errors) and runs.
@@ -67,10 +69,17 @@ class PreparedUpdate {
   void plan();
   void advance(StepMode mode, int64_t step);
   void run_call(const PreparedCall& call);
+  bool weights_all_zero() const;
+
+  // Copies of each run: dst[i] <- src[i].
+  struct Copies {
+    std::vector<at::Tensor> dst, src;
+    void run() const;
+  };
 
   std::vector<at::Tensor> schedules_;
   std::vector<PreparedCall> calls_;
-  std::vector<at::Tensor> copy_dst_, copy_src_;
+  Copies staging_, copies_;                 // before the calls, after them
   std::vector<const at::Tensor*> watched_;  // every tensor of every call and copy
   std::vector<TensorState> states_;         // theirs when planned
   bool reusable_ = false;                   // planned, and the plans may run again

@@ -76,4 +76,12 @@ void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::T
 
 TORCH_LIBRARY_IMPL(fused_ema, CPU, m) { m.impl("ema_schedule_", &ema_schedule_cpu); }
 
+// The checks alone, for the fake kernel (fused_ema_checks, fused_ema.cpp).
+TORCH_LIBRARY_IMPL(fused_ema_checks, CompositeImplicitAutograd, m) {
+  m.impl("ema_schedule_",
+         [](const at::Tensor& step, const at::Tensor& out, const at::Tensor& config, bool) {
+           check_schedule_tensors(step, out, config);
+         });
+}
+
 }  // namespace fused_ema

@@ -336,3 +336,68 @@ def test_lists_seen_before_are_checked_again_when_they_change(lerp):
     aliased[3] = ema[1]
     assert_rejected(lerp, ema, aliased, 0.5, RuntimeError, r"src\[3\] shares memory with ema\[1\]")
     assert_rejected(lerp, ema, aliased, 0.5, RuntimeError, r"src\[3\] shares memory with ema\[1\]")
+
+
+def _bad_calls():
+    """Bad calls of every writing op, as (name, build): build() makes fresh random arguments."""
+    t = torch.randn
+    ops = torch.ops.fused_ema
+    step, w = torch.tensor(3), torch.tensor(0.5)
+    return {
+        "shape": lambda: (ops.lerp_.default, [t(4, 3)], [t(3, 4)], 0.5),
+        "dtype pair": lambda: (ops.lerp_.Tensor, [t(5).bfloat16()], [t(5).half()], w),
+        "stride-0 ema": lambda: (ops.lerp_.default, [t(1).expand(6)], [t(6)], 0.5),
+        "weight dtype": lambda: (ops.lerp_.Tensor, [t(5)], [t(5)], torch.tensor(1)),
+        "keys": lambda: (
+            ops.lerp_stochastic_.default,
+            [t(5).bfloat16()],
+            [t(5)],
+            w,
+            step,
+            1,
+            [0, 1],
+            [0],
+        ),
+        "key range": lambda: (
+            ops.lerp_stochastic_.default,
+            [t(5).bfloat16()],
+            [t(5)],
+            w,
+            step,
+            1,
+            [-1],
+            [0],
+        ),
+        "tracks": lambda: (ops.lerp_many_.default, [t(5), t(5), t(5)], [t(5)], t(2)),
+        "track shape": lambda: (ops.lerp_many_.default, [t(5), t(4)], [t(5)], t(2)),
+        "seeds": lambda: (
+            ops.lerp_many_stochastic_.default,
+            [t(5).half()],
+            [t(5)],
+            t(1),
+            step,
+            [1, 2],
+            [0],
+            [0],
+        ),
+        "bema dtype": lambda: (ops.bema_.default, [t(5)], [t(5).double()], [t(5)], [t(5)], t(3)),
+        "bema lists": lambda: (ops.bema_.default, [t(5)], [], [t(5)], [t(5)], t(3)),
+        "schedule": lambda: (ops.ema_schedule_.default, step, t(2), t(12).double(), True),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_fake_kernels_refuse_as_the_op_does(case):
+    """Traced (FakeTensorMode, what torch.compile runs) a bad call fails with the error the eager
+    op gives: the fake kernels run the C++ checks themselves, not a copy of them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, *args = _bad_calls()[case]()
+    with pytest.raises(Exception) as eager:
+        op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, args)
+        with pytest.raises(Exception) as traced:
+            op(*fake)
+    assert type(traced.value) is type(eager.value)
+    assert str(traced.value).splitlines()[0] == str(eager.value).splitlines()[0]

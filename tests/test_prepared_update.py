@@ -320,3 +320,41 @@ def test_shard_rows_are_prepared_and_a_data_swap_is_followed():
         assert_rows_match()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_staged_sources_are_copied_and_averaged_by_the_prepared_update(every):
+    """A float64 model with a float32 EMA has no kernel for its pair: each source is copied into a
+    float32 staging buffer first. The prepared update makes those copies itself, inside its one
+    call, skips them on the steps update_every leaves out (weight 0), and follows a .data swap of
+    a staged source. The EMA is checked against float64 lerps with the weight of each step."""
+    g = torch.Generator().manual_seed(11)
+    model = small_mlp().double()
+    ema = fused_ema.ModelEma(model, decay=DECAY, dtype=torch.float32, update_every=every)
+    ema.update(model)  # the first update copies the model
+    ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    group = next(iter(ema._updater.binding.plan.groups.values()))
+    assert group.staging, "the float64 sources should be staged"
+
+    def steps(count):
+        for _ in range(count):
+            perturb(model, g)
+            ema.update(model)
+            weight = float(ema._updater.schedule.weight)
+            for name, value in model.state_dict().items():
+                if value.is_floating_point():
+                    ref[name] += weight * (value.detach() - ref[name])
+
+    prepared = ema._updater.prepared
+    assert prepared is not None, "a staged update should be prepared"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        steps(2 * every)
+    copies = [e for e in prof.events() if e.name == "aten::copy_"]
+    assert len(copies) == 2 * len(group.staging)  # two steps kept, none copied on skipped ones
+    assert ema._updater.prepared is prepared and prepared.runs() == 1 + 2 * every
+    model[0].weight.data = model[0].weight.data.clone()  # a staged source, swapped
+    steps(every)
+    weights = ema.state_dict()["weights"]
+    for name, value in ref.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(weights[name].double(), value, rtol=0, atol=1e-5)

@@ -1,6 +1,6 @@
 """What the fused ops accept, told from metadata alone: the prefixes of their messages, the dtype
 pairs the kernels support, and the fake kernels that let torch.compile and FakeTensorMode trace
-the ops, with the C++ checks' messages (csrc/lerp_plan.cpp, csrc/schedule.cpp)."""
+the ops, each running the C++ kernel's own checks."""
 
 from __future__ import annotations
 
@@ -21,142 +21,70 @@ def weight_type_error(weight) -> str:
     return f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {type(weight).__name__}"
 
 
-@torch.library.register_fake("fused_ema::lerp_")
-def _lerp_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight) -> None:
-    if isinstance(weight, (bool, complex)):
-        raise TypeError(weight_type_error(weight))
-    _check_fake(ema, src)
+# The fused ops that write tensors, by overload. Each one's fake kernel runs the C++ kernel's own
+# checks, its twin in fused_ema_checks (csrc/fused_op_kernels.cpp, csrc/schedule.cpp): metadata
+# only, on the FakeTensors' devices, so a traced call fails with the message an eager one gives.
+_WRITING_OPS = (
+    ("lerp_", "default"),
+    ("lerp_", "Tensor"),
+    ("lerp_stochastic_", "default"),
+    ("lerp_many_", "default"),
+    ("lerp_many_stochastic_", "default"),
+    ("bema_", "default"),
+    ("ema_schedule_", "default"),
+)
 
 
-@torch.library.register_fake("fused_ema::lerp_.Tensor")
-def _lerp_tensor_fake(ema: list[torch.Tensor], src: list[torch.Tensor], weight: torch.Tensor):
-    _check_fake(ema, src)
-    if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
-        raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
-    _refuse_meta("fused_ema.lerp_: ", [weight])
+def _register_fake(name: str, overload: str) -> None:
+    qualname = f"fused_ema::{name}" + ("" if overload == "default" else f".{overload}")
+    prefix = f"fused_ema.{name}: "
+    check = getattr(getattr(torch.ops.fused_ema_checks, name), overload)
+    names = [a.name for a in check._schema.arguments]
+    # A weight or step on the meta device: refused as such before the checks call it misplaced.
+    early = () if name == "ema_schedule_" else ("weight", "weights", "step")
 
-
-@torch.library.register_fake("fused_ema::lerp_stochastic_")
-def _lerp_stochastic_fake(ema, src, weight, step, seed, keys, offsets) -> None:
-    """The metadata checks of csrc/fused_op.cpp (lerp_stochastic_), with the same messages."""
-    _check_fake(ema, src)
-    if weight.numel() != 1 or weight.dtype not in (torch.float32, torch.float64):
-        raise ValueError("fused_ema.lerp_: a tensor weight must be one float32/float64 element")
-    if step.numel() != 1 or step.dim() > 1 or step.dtype != torch.int64:
-        raise ValueError(
-            f"{SR_OP}step must be one int64 element (a 0-dim tensor), got {_dtype_name(step)} "
-            f"of shape {list(step.shape)}"
+    def fake(*args, **kwargs) -> None:
+        bound = {**dict(zip(names, args)), **kwargs}
+        _refuse_meta(prefix, [bound[n] for n in early if n in bound])
+        check(**{n: _concrete(v) for n, v in bound.items()})
+        _refuse_meta(
+            prefix, [t for v in bound.values() for t in (v if isinstance(v, list) else [v])]
         )
-    for name, values in (("keys", keys), ("offsets", offsets)):
-        if len(values) != len(ema):
-            raise ValueError(
-                f"{SR_OP}{name} has {len(values)} entries but ema has {len(ema)} tensors"
-            )
-    _refuse_meta(SR_OP, [weight, step])
+
+    torch.library.register_fake(qualname)(fake)
 
 
-@torch.library.register_fake("fused_ema::lerp_many_")
-def _lerp_many_fake(emas, src, weights) -> None:
-    """The metadata checks of csrc/fused_op.cpp, with the same messages."""
-    _check_tracks_fake(emas, src, weights)
-
-
-@torch.library.register_fake("fused_ema::lerp_many_stochastic_")
-def _lerp_many_stochastic_fake(emas, src, weights, step, seeds, keys, offsets) -> None:
-    tracks = _check_tracks_fake(emas, src, weights)
-    if step.numel() != 1 or step.dim() > 1 or step.dtype != torch.int64:
-        raise ValueError(
-            f"{MANY_OP}step must be one int64 element (a 0-dim tensor), got {_dtype_name(step)} "
-            f"of shape {list(step.shape)}"
-        )
-    emas_text = f"emas has {len(emas)} tensors (one key per EMA tensor, track k's tensor i at "
-    for name, values, count, expected in (
-        ("seeds", seeds, tracks, f"there are {tracks} tracks (one seed per track)"),
-        ("keys", keys, len(emas), emas_text + "k * len(src) + i)"),
-        ("offsets", offsets, len(src), f"src has {len(src)} tensors"),
+def _concrete(value):
+    """A FakeTensor of symbolic shape as one of its hinted shape (C++ reads plain sizes; the op
+    checks the real shapes when it runs), in lists too; anything else as it is."""
+    if isinstance(value, list):
+        return [_concrete(v) for v in value]
+    if not isinstance(value, torch.Tensor) or not any(
+        isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())
     ):
-        if len(values) != count:
-            raise ValueError(f"{MANY_OP}{name} has {len(values)} entries but {expected}")
-    _refuse_meta(MANY_OP, [step])
+        return value
+    return torch.empty_strided(
+        [_hint(d) for d in value.shape],
+        [_hint(d) for d in value.stride()],
+        dtype=value.dtype,
+        device=value.device,
+        requires_grad=value.requires_grad,
+    )
 
 
-def _check_tracks_fake(emas, src, weights) -> int:
-    """lerp_many_'s checks of the weights and of every (EMA, src) pair; returns K."""
-    if weights.dim() != 1 or weights.numel() < 1:
-        raise ValueError(
-            f"{MANY_OP}weights must be a 1-D tensor of one weight per track (at least one), got "
-            f"shape {list(weights.shape)}"
-        )
-    tracks = weights.numel()
-    if len(emas) != tracks * len(src):
-        raise ValueError(
-            f"{MANY_OP}emas has {len(emas)} tensors but {tracks} weights of {len(src)} src "
-            f"tensors need {tracks * len(src)} (track k's tensor i at k * len(src) + i)"
-        )
-    if weights.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{MANY_OP}weights must be float32 or float64, got {_dtype_name(weights)}")
-    _check_fake(emas, src, MANY_OP, tensors=len(src))
-    _refuse_meta(MANY_OP, [weights])
-    return tracks
+def _hint(size) -> int:
+    """A size as the int it has now, without a guard where its symbol has a hint."""
+    if isinstance(size, torch.SymInt) and size.node.has_hint():
+        return int(size.node.hint)
+    return int(size)
 
 
-@torch.library.register_fake("fused_ema::bema_")
-def _bema_fake(ema, theta0, out, src, weights) -> None:
-    """The metadata checks of csrc/fused_op.cpp and the planner, with the same messages."""
-    lists = (ema, theta0, out)
-    for tensors, name in zip(lists, BEMA_LISTS):
-        if len(tensors) != len(src):
-            raise ValueError(f"{BEMA_OP}{name} has {len(tensors)} tensors but src has {len(src)}")
-    for i in range(len(src)):
-        for tensors, name in zip(lists[1:], BEMA_LISTS[1:]):
-            if tensors[i].dtype != ema[i].dtype:
-                raise ValueError(
-                    f"{BEMA_OP}{name}[{i}] is {_dtype_name(tensors[i])} but ema[{i}] is "
-                    f"{_dtype_name(ema[i])}; ema, theta0 and out share the EMA dtype"
-                )
-    if weights.dim() != 1 or weights.numel() != 3:
-        raise ValueError(
-            f"{BEMA_OP}weights must be a 1-D tensor of 3 elements (beta, w0, alpha), got shape "
-            f"{list(weights.shape)}"
-        )
-    if weights.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{BEMA_OP}weights must be float32 or float64, got {_dtype_name(weights)}")
-    for tensors, name in zip(lists, BEMA_LISTS):
-        for i, (t, s) in enumerate(zip(tensors, src)):
-            if t.device != s.device:
-                raise RuntimeError(
-                    f"{BEMA_OP}src[{i}] is on {s.device} but {name}[{i}] is on {t.device}"
-                )
-            if (t.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
-                raise ValueError(
-                    f"{BEMA_OP}unsupported dtype pair at {name}[{i}]: ema {t.dtype}, src {s.dtype}"
-                )
-            if t.shape != s.shape:
-                raise ValueError(
-                    f"{BEMA_OP}src[{i}] has shape {list(s.shape)} but {name}[{i}] has shape "
-                    f"{list(t.shape)}"
-                )
-        _refuse_meta(BEMA_OP, tensors)
-    _refuse_meta(BEMA_OP, [weights])
-    if src and weights.device.type != "cpu" and weights.device != src[0].device:
-        raise RuntimeError(
-            f"{BEMA_OP}weights is on {weights.device} but EMA tensors are on {src[0].device}; "
-            "pass the weights on the EMAs' device, on the CPU, or as floats"
-        )
-
-
-@torch.library.register_fake("fused_ema::ema_schedule_")
-def _ema_schedule_fake(step, out, config, advance) -> None:
-    _check_schedule_tensors(step, out, config)
-    _refuse_meta("fused_ema.ema_schedule_: ", [step])
-
-
-def _refuse_meta(op: str, tensors: list[torch.Tensor]) -> None:
+def _refuse_meta(op: str, values: list) -> None:
     """register_fake makes the fake kernels the ops' Meta kernels too: real meta tensors arrive
     here, where a silent return would pretend an update happened. FakeTensorMode (torch.compile)
     calls the fake kernels with FakeTensors of the device they stand for, which pass."""
-    for t in tensors:
-        if t.device.type == "meta":
+    for t in values:
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
             raise RuntimeError(
                 f"{op}meta tensors hold no data, so there is nothing to update; run the op on "
                 "tensors of a real device (torch.compile and FakeTensorMode trace it without "
@@ -164,55 +92,5 @@ def _refuse_meta(op: str, tensors: list[torch.Tensor]) -> None:
             )
 
 
-def _check_schedule_tensors(step, out, config) -> None:
-    """The tensor checks of the C++ kernels (csrc/schedule.cpp), with the same messages."""
-    op = "fused_ema.ema_schedule_: "
-    if step.dtype != torch.int64 or step.numel() != 1:
-        raise ValueError(
-            f"{op}step must be one int64 element, got {_dtype_name(step)} of shape "
-            f"{list(step.shape)}"
-        )
-    if out.dtype != torch.float64 or out.numel() != 2 or not out.is_contiguous():
-        raise ValueError(
-            f"{op}out must be 2 contiguous float64 elements (weight, decay), got "
-            f"{_dtype_name(out)} of shape {list(out.shape)}"
-        )
-    if config.dtype != torch.float64 or config.numel() != 12 or not config.is_contiguous():
-        raise ValueError(
-            f"{op}config must be 12 contiguous float64 elements (decay, min_decay, warmup_gamma, "
-            "warmup_power, update_after_step, update_every, warmup_kind, update_every_decay, lag, "
-            f"multiplier, ema_power, bias_power), got {_dtype_name(config)} of shape "
-            f"{list(config.shape)}"
-        )
-    if out.device != step.device:
-        raise RuntimeError(f"{op}out is on {out.device} but step is on {step.device}")
-    if config.device != step.device:
-        raise RuntimeError(f"{op}config is on {config.device} but step is on {step.device}")
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).split(".")[-1]
-
-
-def _check_fake(ema: list, src: list, op: str = "fused_ema.lerp_: ", tensors: int = 0) -> None:
-    """The metadata half of the C++ checks, so traced programs fail where eager ones would. With
-    `tensors` (lerp_many_'s N), `ema` holds tracks of N tensors one after another."""
-    if not tensors and len(ema) != len(src):
-        raise ValueError(f"{op}ema has {len(ema)} tensors but src has {len(src)}")
-    tracks = len(ema) // tensors if tensors else 1
-    for k in range(tracks):
-        for i, s in enumerate(src):
-            e = ema[k * tensors + i]
-            name = f"emas[{k}][{i}]" if tensors else f"ema[{i}]"
-            if e.device != s.device:
-                raise RuntimeError(f"{op}src[{i}] is on {s.device} but {name} is on {e.device}")
-            if (e.dtype, s.dtype) not in SUPPORTED_DTYPE_PAIRS:
-                where = name if tensors else f"index {i}"
-                raise ValueError(
-                    f"{op}unsupported dtype pair at {where}: ema {e.dtype}, src {s.dtype}"
-                )
-            if e.shape != s.shape:
-                raise ValueError(
-                    f"{op}src[{i}] has shape {list(s.shape)} but {name} has shape {list(e.shape)}"
-                )
-    _refuse_meta(op, ema)
+for _name, _overload in _WRITING_OPS:
+    _register_fake(_name, _overload)

@@ -13,6 +13,7 @@ import weakref
 import torch
 from torch import nn
 
+from .._dist.dtensor import is_dtensor
 from .._ext.loader import _C
 from .plan import UpdatePlan
 
@@ -52,15 +53,10 @@ class Prepared:
         # (DTensor, its local shard), both weakly: what the extension averages for a DTensor.
         self.shards = tuple(
             (weakref.ref(walk[i]), weakref.ref(walk[i]._local_tensor))
-            for group in plan.groups.values()
-            for i in group.shards
+            for i in _indices(plan, walk, "shards")
         )
         # (a tensor whose rows are averaged, weakly, and its memory when prepared).
-        self.cuts = tuple(
-            (weakref.ref(walk[i]), _memory(walk[i]))
-            for group in plan.groups.values()
-            for i, *_ in group.cuts
-        )
+        self.cuts = tuple((weakref.ref(walk[i]), _memory(walk[i])) for i in _indices(plan, walk))
         tensors = [t for s in schedules for t in (s.step, s.out, s.config)]
         self.handle = torch.ops.fused_ema.prepared_new(tensors)
         self._free = weakref.finalize(self, _C.prepared_free, self.handle)
@@ -71,10 +67,13 @@ class Prepared:
             self._add_group(group, schedules, walk)
         for copies in plan.copies.values():
             torch.ops.fused_ema.prepared_add_copies(
-                self.handle, copies.ema, [walk[i] for i in copies.index]
+                self.handle, copies.ema, [walk[i] for i in copies.index], False
             )
 
     def _add_group(self, group, schedules: list, walk: list) -> None:
+        if group.staged:  # copied into place by the run, before its calls
+            views, parts = zip(*group.staged_copies(walk))
+            torch.ops.fused_ema.prepared_add_copies(self.handle, views, parts, True)
         src = group.sources(walk)
         steps = schedules[0].step
         if not group.followers:
@@ -129,31 +128,40 @@ class Prepared:
 
 
 def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
-    """Whether `plan` can be prepared: every source a plain CPU/CUDA tensor of the walk on its
-    EMA's device, and the weights and step where each group's kernel reads them."""
+    """Whether `plan` can be prepared: every source a plain CPU/CUDA tensor of the walk (or its
+    local shard), and the weights and step where each group's kernel reads them."""
     if plan.snapshot:
         return False
     place = schedules[0].step.device
     for group in plan.groups.values():
-        if group.staged or group.wait_for:
-            return False
         if place.type != "cpu" and place != group.device:
             return False
-        for g in (group, *group.followers):
-            if any(type(e) not in _PLAIN for e in g.ema):
-                return False
-        if any(type(walk[i]) not in _PLAIN for i in group.direct):
+        if any(type(e) not in _PLAIN for g in (group, *group.followers) for e in g.ema):
             return False
-        if any(type(walk[i]._local_tensor) not in _PLAIN for i in group.shards):
-            return False
-        if any(type(walk[i]) not in _PLAIN for i, *_ in group.cuts):
-            return False
-    for copies in plan.copies.values():
-        if copies.staging or any(type(walk[i]) not in _PLAIN for i in copies.index):
-            return False
-        if any(type(e) not in _PLAIN for e in copies.ema):
-            return False
-    return True
+    sources = [walk[i] for i in _indices(plan, walk, "plain")]
+    sources += [walk[i] for i in _indices(plan, walk, "cuts")]
+    sources += [walk[i]._local_tensor for i in _indices(plan, walk, "shards")]
+    sources += [walk[i] for copies in plan.copies.values() for i in copies.index]
+    emas = [e for copies in plan.copies.values() for e in copies.ema]
+    return not any(c.staging for c in plan.copies.values()) and all(
+        type(t) in _PLAIN for t in (*sources, *emas)
+    )
+
+
+def _indices(plan: UpdatePlan, walk: list, kind: str = "cuts") -> list:
+    """The walk indices of the sources that are whole tensors ("plain"), DTensor shards ("shards")
+    or rows of a replica ("cuts"), staged ones included."""
+    out = []
+    for group in plan.groups.values():
+        whole = [i for i, cut in group.staged if cut is None]
+        if kind == "plain":
+            out += [*group.direct, *(i for i in whole if not is_dtensor(walk[i]))]
+        elif kind == "shards":
+            out += [*group.shards, *(i for i in whole if is_dtensor(walk[i]))]
+        else:
+            out += [i for i, *_ in group.cuts]
+            out += [i for i, cut in group.staged if cut is not None]
+    return out
 
 
 def _local_of(ref):
