@@ -117,6 +117,63 @@ def test_float16_subnormals_in_every_lane_match_reference(weight, cpu_isa):
     assert_bitwise(ema, want)
 
 
+def f32(bits):
+    return float(np.array(bits, dtype=np.uint32).view(np.float32))
+
+
+# Where the AVX paths' float16 conversion toward zero hands a block to the exact integer path: the
+# edges of the results it keeps (0x0401 .. 0x7BFE), infinity, NaN (payloads whose bits plus the
+# rounding nudge wrap) and float32 subnormals.
+FLOAT16_EDGES = [
+    0.0,
+    -0.0,
+    float("inf"),
+    -float("inf"),
+    float("nan"),
+    f32(0x7FFFFFFF),
+    f32(0xFFFFFFFF),
+    f32(0x7FFFE001),
+    f32(0x7F800001),
+    65504.0,
+    -65504.0,
+    65472.0,
+    65503.99,
+    65519.99,
+    65520.0,
+    65535.99,
+    65536.0,
+    -70000.0,
+    3e38,
+    2.0**-14,
+    -(2.0**-14),
+    f32(0x387FFFFF),
+    f32(0x38800001),
+    2.0**-14 + 2.0**-24,
+    f32(0x38801FFF),
+    2.0**-24,
+    3 * 2.0**-26,
+    1e-40,
+]
+
+
+@pytest.mark.parametrize("weight", [0.3, 1.0])
+def test_float16_edges_in_every_lane_match_reference(weight, cpu_isa):
+    """Each of FLOAT16_EDGES in each lane of 64-element blocks otherwise made of plain normals (the
+    AVX paths' vectors take 16 or 32 elements): the block takes the exact path and the others do
+    not, every lane bit for bit the reference."""
+    g = torch.Generator().manual_seed(21)
+    edges = torch.tensor(FLOAT16_EDGES, dtype=torch.float32)
+    lanes = 64
+    values = torch.randn(len(FLOAT16_EDGES) * lanes, lanes, generator=g) * 100.0
+    rows = torch.arange(values.shape[0])
+    values[rows, rows % lanes] = edges.repeat_interleave(lanes)
+    values = values.reshape(-1)
+    ema = [torch.randn(values.numel(), generator=g).to(torch.float16)]
+    want = expected(ema, [values], weight, 9, 10, [11], [0])
+    fused_ema.lerp_stochastic_(ema, [values], weight, seed=9, step=10, keys=[11])
+    assert_bitwise(ema, want)
+
+
 def test_defaults_and_tensor_arguments():
     ema, src = make_lists([1000, 33], (torch.bfloat16, torch.bfloat16), seed=2)
     other = [e.clone() for e in ema]

@@ -54,21 +54,39 @@ constexpr int kLanes = 16;
 using VecU = __m512i;
 using VecF = __m512;
 // 32-bit lanes as a GCC vector type, so that most of the vector code is written once, in the
-// scalar code's own operators.
+// scalar code's own operators; Words views the same register as 16-bit lanes.
 using Lanes = uint32_t __attribute__((vector_size(sizeof(VecU))));
+using Words = uint16_t __attribute__((vector_size(sizeof(VecU))));
 
-// The 16-bit words of 2 * kLanes elements (kLanes pairs' bits, in element order), two vectors.
+// The 16-bit words of 2 * kLanes elements (kLanes pairs' bits, in pair_lane order), zero-extended
+// to two vectors in element order. In-lane unpacks: cheaper than the cross-lane widening that
+// pairs in lane order would need.
 inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
-  lo = (Lanes)_mm512_cvtepu16_epi32(_mm512_castsi512_si256((VecU)bits));
-  hi = (Lanes)_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((VecU)bits, 1));
+  lo = (Lanes)_mm512_unpacklo_epi16((VecU)bits, _mm512_setzero_si512());
+  hi = (Lanes)_mm512_unpackhi_epi16((VecU)bits, _mm512_setzero_si512());
 }
-// Whether a lane of a is below b's, unsigned.
-inline bool any_below(Lanes a, Lanes b) { return _mm512_cmplt_epu32_mask((VecU)a, (VecU)b) != 0; }
 inline Lanes min_lanes(Lanes a, Lanes b) { return (Lanes)_mm512_min_epu32((VecU)a, (VecU)b); }
 // 2 * kLanes 16-bit results from two vectors of 32-bit ones.
 inline void store_bits(void* p, Lanes a, Lanes b) {
   _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16((VecU)a));
   _mm256_storeu_si256(static_cast<__m256i*>(p) + 1, _mm512_cvtepi32_epi16((VecU)b));
+}
+// The float16 bits of two vectors of floats (as bits), converted toward zero, in element order.
+inline Words to_half_toward_zero(Lanes a, Lanes b) {
+  constexpr int kTowardZero = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
+  const __m256i lo = _mm512_cvt_roundps_ph((VecF)a, kTowardZero);
+  const __m256i hi = _mm512_cvt_roundps_ph((VecF)b, kTowardZero);
+  return (Words)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+// Whether a lane of a is above b, unsigned.
+inline bool any_above(Words a, uint16_t b) {
+  return _mm512_cmpgt_epu16_mask((VecU)a, _mm512_set1_epi16(static_cast<int16_t>(b))) != 0;
+}
+// 2 * kLanes float16 values as floats: a conversion from memory each, no shuffle (ATen's load2
+// reads one vector and extracts its upper half).
+inline void load_floats(const c10::Half* p, VecF& a, VecF& b) {
+  a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + 1));
 }
 
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -77,14 +95,11 @@ constexpr int kLanes = 8;
 using VecU = __m256i;
 using VecF = __m256;
 using Lanes = uint32_t __attribute__((vector_size(sizeof(VecU))));
+using Words = uint16_t __attribute__((vector_size(sizeof(VecU))));
 
 inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
-  lo = (Lanes)_mm256_cvtepu16_epi32(_mm256_castsi256_si128((VecU)bits));
-  hi = (Lanes)_mm256_cvtepu16_epi32(_mm256_extracti128_si256((VecU)bits, 1));
-}
-inline bool any_below(Lanes a, Lanes b) {
-  const VecU not_below = _mm256_cmpeq_epi32(_mm256_max_epu32((VecU)a, (VecU)b), (VecU)a);
-  return _mm256_movemask_epi8(not_below) != -1;
+  lo = (Lanes)_mm256_unpacklo_epi16((VecU)bits, _mm256_setzero_si256());
+  hi = (Lanes)_mm256_unpackhi_epi16((VecU)bits, _mm256_setzero_si256());
 }
 inline Lanes min_lanes(Lanes a, Lanes b) { return (Lanes)_mm256_min_epu32((VecU)a, (VecU)b); }
 // packus works per 128-bit lane: the permute puts the halves back in order.
@@ -92,16 +107,40 @@ inline void store_bits(void* p, Lanes a, Lanes b) {
   const VecU packed = _mm256_permute4x64_epi64(_mm256_packus_epi32((VecU)a, (VecU)b), 0xD8);
   _mm256_storeu_si256(static_cast<__m256i*>(p), packed);
 }
+inline Words to_half_toward_zero(Lanes a, Lanes b) {
+  const __m128i lo = _mm256_cvtps_ph((VecF)a, _MM_FROUND_TO_ZERO);
+  const __m128i hi = _mm256_cvtps_ph((VecF)b, _MM_FROUND_TO_ZERO);
+  return (Words)_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+// No unsigned 16-bit comparison: flipping the top bits turns it into a signed one.
+inline bool any_above(Words a, uint16_t b) {
+  const auto flip = static_cast<uint16_t>(0x8000);
+  const VecU above = _mm256_cmpgt_epi16((VecU)(a ^ flip), _mm256_set1_epi16(b ^ flip));
+  return _mm256_movemask_epi8(above) != 0;
+}
+inline void load_floats(const c10::Half* p, VecF& a, VecF& b) {
+  a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1));
+}
 #endif
 
 #ifdef FUSED_EMA_SR_VECTORIZED
 inline Lanes splat(uint32_t x) { return Lanes{} + x; }
 
-// The hash inputs (sr::pair_bits) of pairs lo .. lo + kLanes - 1 under pair key k.
+// The pair that lane j of a hash vector takes, of kLanes consecutive ones: widen_words unpacks
+// the low (high) 4 words of each 128-bit lane, 2 pairs', into the first (second) result vector.
+constexpr uint32_t pair_lane(int j) {
+  const int lane = j / 4;
+  const int m = j % 4;
+  return static_cast<uint32_t>(m < 2 ? 2 * lane + m : kLanes / 2 + 2 * lane + m - 2);
+}
+
+// The hash inputs (sr::pair_bits) of pairs lo .. lo + kLanes - 1 under pair key k, in pair_lane
+// order.
 inline Lanes pair_inputs(uint32_t lo, uint64_t k) {
   Lanes x{};
   for (int j = 0; j < kLanes; ++j) {
-    x[j] = (lo + static_cast<uint32_t>(j)) * sr::kPairStep + sr::lo32(k);
+    x[j] = (lo + pair_lane(j)) * sr::kPairStep + sr::lo32(k);
   }
   return x;
 }
@@ -111,46 +150,71 @@ inline Lanes round_bf16_vec(Lanes bits, Lanes word) {
   return (bits & sr::kF32AbsMask) > sr::kF32Inf ? splat(sr::kBF16NaN) : (bits + word) >> 16;
 }
 
-// sr::round_f16 of float16 subnormals and zeros (`abs`, other lanes 0), lane by lane, in float
-// arithmetic that is exact: |r| * 2**24 counts the subnormal steps below |r|, its integer part is
-// the half below (half_bracket's low) and 16 bits of the rest its frac >> 16, the chance of
-// rounding up (a true comparison is all ones: subtracting it adds 1).
-[[gnu::always_inline]] inline Lanes round_f16_subnormal(Lanes abs, Lanes word) {
+// sr::round_f16, lane by lane, in integer arithmetic, `nudge` each element's 0x1FFF - word / 8
+// and `rest` its 0xFFFF - word. A normal rounds up (word < 8 * dropped, the reference's rule)
+// exactly when its 13 dropped bits plus the nudge carry into the kept ones. A float16 subnormal
+// or zero, below 2**-14: floor(|r| * 2**40) is exact (a power of two times a float, below 2**26)
+// and holds the half below times 2**16 plus 16 bits of the rest, whose sum with 0xFFFF - word
+// carries into the half exactly when word is below those 16 bits.
+[[gnu::always_inline]] inline Lanes round_f16_vec(Lanes bits, Lanes nudge, Lanes rest) {
   using Floats = float __attribute__((vector_size(sizeof(VecU))));
   using Ints = int32_t __attribute__((vector_size(sizeof(VecU))));
-  const Floats steps = (Floats)abs * 0x1p24f;
-  const Ints low = __builtin_convertvector(steps, Ints);
-  const Floats rest = (steps - __builtin_convertvector(low, Floats)) * 0x1p16f;
-  const auto chance = (Lanes) __builtin_convertvector(rest, Ints);
-  return (Lanes)low - (Lanes)(word < chance);
-}
-
-// sr::round_f16, lane by lane: normals by the hardware's conversion toward zero (word < 8 *
-// dropped, its rule, exactly when the 13 dropped bits plus 0x1FFF - word / 8 carry into the kept
-// ones), subnormals by round_f16_subnormal.
-[[gnu::always_inline]] inline Lanes round_f16_vec(Lanes bits, Lanes word) {
   constexpr uint32_t kFirstNormal = sr::kF16FirstNormal << sr::kF32MantissaBits;
   constexpr uint32_t kOverflow = sr::kF16Overflow << sr::kF32MantissaBits;
   constexpr uint32_t kRebias = sr::kF16ExponentShift << sr::kF32MantissaBits;
   const Lanes abs = bits & sr::kF32AbsMask;
-  const Lanes nudged = abs + ((word >> 3) ^ sr::kF16DroppedMask);
-  // From 2**16 up (nudged >= kOverflow) the truncation is at least infinity's bits: a minimum.
+  // From 2**16 up (abs + nudge >= kOverflow) the truncation is at least infinity's bits: a minimum.
   static_assert(((kOverflow - kRebias) >> sr::kF16DroppedBits) == sr::kF16Inf);
-  Lanes half = min_lanes((nudged - kRebias) >> sr::kF16DroppedBits, splat(sr::kF16Inf));
-  if (any_below(abs, splat(kFirstNormal))) {  // rare at weight scale: cheaper than always
-    const Lanes subnormal = (Lanes)(abs < kFirstNormal);
-    half = subnormal ? round_f16_subnormal(abs & subnormal, word) : half;
-  }
+  Lanes half = min_lanes((abs + nudge - kRebias) >> sr::kF16DroppedBits, splat(sr::kF16Inf));
+  const auto subnormal = (Lanes)(abs < kFirstNormal);
+  const Floats steps = (Floats)(abs & subnormal) * 0x1p40f;
+  half = subnormal ? ((Lanes) __builtin_convertvector(steps, Ints) + rest) >> 16 : half;
   half = abs > sr::kF32Inf ? splat(sr::kF16QuietNaN) : half;
   return ((bits >> 16) & (sr::kF32SignMask >> 16)) | half;
 }
 
-template <typename E>
-[[gnu::always_inline]] inline Lanes round_vec(Lanes bits, Lanes word) {
-  if constexpr (std::is_same_v<E, c10::BFloat16>) {
-    return round_bf16_vec(bits, word);
+// lerp_span.h's load2, but for float16 load_floats.
+template <typename T, typename Vec>
+[[gnu::always_inline]] inline void sr_load2(const T* p, Vec& a, Vec& b) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    VecF lo, hi;
+    load_floats(p, lo, hi);
+    a = lo;
+    b = hi;
   } else {
-    return round_f16_vec(bits, word);
+    load2(p, a, b);
+  }
+}
+
+// Rounds 2 * kLanes elements (floats' bits lo, hi; their pairs' hash words in pair_lane order) to
+// bfloat16/float16 at p. float16: the float bits plus each element's nudge (round_f16_vec),
+// converted toward zero by the hardware, truncate as the integer path does, sign included, for
+// every result from the first normal half, 2**-14, up to the largest finite one: half the vector
+// instructions. Blocks holding anything else (float16 subnormals and zeros, overflows, infinity,
+// NaN; one block in 14 of ViT-B/16's initial weights) take the integer path. The two differ only
+// where the conversion's result is at most 0x0400 (subnormal or zero inputs, and normals a nudge
+// carries there), at least 0x7BFF (where toward zero stops short of infinity), or where the float
+// bits plus the nudge left NaN's range (its magnitude wraps to below 2**-126).
+template <typename E>
+[[gnu::always_inline]] inline void round_store(E* p, Lanes lo, Lanes hi, Lanes words) {
+  if constexpr (std::is_same_v<E, c10::BFloat16>) {
+    Lanes w0, w1;
+    widen_words(words, w0, w1);
+    store_bits(p, round_bf16_vec(lo, w0), round_bf16_vec(hi, w1));
+  } else {
+    const Lanes rest = ~words;  // 0xFFFF - word in each 16-bit half
+    Lanes n0, n1;
+    widen_words((Lanes)((Words)rest >> 3), n0, n1);
+    const Words fast = to_half_toward_zero(lo + n0, hi + n1);
+    // Magnitudes 0x0401 .. 0x7BFE, doubled (dropping the sign), minus 0x0802: 0 .. 0xEFFA.
+    const Words doubled = fast + fast;
+    if (__builtin_expect(any_above(doubled - static_cast<uint16_t>(0x0802), 0xEFFA), 0)) {
+      Lanes r0, r1;
+      widen_words(rest, r0, r1);
+      store_bits(p, round_f16_vec(lo, n0, r0), round_f16_vec(hi, n1, r1));
+    } else {
+      std::memcpy(p, &fast, sizeof(fast));
+    }
   }
 }
 #endif
@@ -170,15 +234,13 @@ void sr_range(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStre
   const uint32_t k1 = sr::hi32(st.k);
   Lanes x = pair_inputs(sr::lo32((first + static_cast<uint64_t>(i)) >> 1), st.k);
   for (; i + 2 * kLanes <= n; i += 2 * kLanes, x += kLanes * sr::kPairStep) {
-    Lanes w0, w1;
-    widen_words(sr::lowbias32(x, k1), w0, w1);
+    const Lanes words = sr::lowbias32(x, k1);
     Vec e0, e1, s0, s1;
-    load2(ema + i, e0, e1);
-    load2(src + i, s0, s1);
+    sr_load2(ema + i, e0, e1);
+    sr_load2(src + i, s0, s1);
     const Vec r0 = at::vec::fmadd(vcoeff, s0 - e0, kSmallWeight ? e0 : s0);
     const Vec r1 = at::vec::fmadd(vcoeff, s1 - e1, kSmallWeight ? e1 : s1);
-    store_bits(ema + i, round_vec<E>((Lanes) static_cast<VecF>(r0), w0),
-               round_vec<E>((Lanes) static_cast<VecF>(r1), w1));
+    round_store(ema + i, (Lanes) static_cast<VecF>(r0), (Lanes) static_cast<VecF>(r1), words);
   }
 #endif
   sr_scalar<E, S, kSmallWeight>(ema + i, src + i, n - i, coeff, st, first + i);
