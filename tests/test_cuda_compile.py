@@ -16,7 +16,7 @@ import pytest
 import fused_ema
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_HEADER = ROOT / "csrc" / "cuda" / "multi_tensor_kernel.cuh"
+KERNEL_HEADER = ROOT / "csrc" / "cuda" / "multi_tensor_apply.cuh"
 PAIRS = len(fused_ema.SUPPORTED_DTYPE_PAIRS)  # each one lerp kernel per launch layout
 SMALL, LARGE = "Li120E", "Li1024E"  # the capacity in a plain lerp kernel's mangled name
 
@@ -83,21 +83,28 @@ def compile_kernels(archs, *extra):
     return report
 
 
+def lerp_op(name):
+    """(tracks, stochastic) of a kernel of LerpOp<E, S, K, stochastic> by its mangled name."""
+    m = re.search(r"6LerpOpI\w+?Li(\d+)ELb([01])EE", name)
+    return (int(m.group(1)), m.group(2) == "1") if m else None
+
+
 def lerp_kernels(report, arch):
-    return {name: info for (a, name), info in report.items() if a == arch and "LerpOp" in name}
+    """lerp_'s plain kernels: one track, rounding to nearest."""
+    return {
+        name: info
+        for (a, name), info in report.items()
+        if a == arch and lerp_op(name) == (1, False)
+    }
 
 
 def all_kernels(report, arch):
     """The plain and the stochastic-rounding lerp kernels, lerp_'s and lerp_many_'s."""
-    return {
-        name: info
-        for (a, name), info in report.items()
-        if a == arch and any(op in name for op in ("LerpOp", "LerpStochasticOp", "LerpMany"))
-    }
+    return {name: info for (a, name), info in report.items() if a == arch and lerp_op(name)}
 
 
-def many_kernels(report, arch, op):
-    return [name for (a, name) in report if a == arch and f"{len(op)}{op}I" in name]
+def track_kernels(report, arch, tracks, stochastic):
+    return [name for (a, name) in report if a == arch and lerp_op(name) == (tracks, stochastic)]
 
 
 def occupancy(registers, threads):
@@ -154,11 +161,13 @@ def test_kernels_reach_half_occupancy_without_spills(arch):
     require_target(arch)
     kernels = all_kernels(compile_kernels((arch,)), arch)
     assert len(lerp_kernels(compile_kernels((arch,)), arch)) == 2 * PAIRS, sorted(kernels)
-    assert len(kernels) > 2 * PAIRS, "the stochastic-rounding kernels were not compiled"
-    # lerp_many_'s multi_track_kernel: every pair in both layouts; stochastic rounding's for the
-    # four pairs with 16-bit EMAs.
-    assert len(many_kernels(compile_kernels((arch,)), arch, "LerpManyOp")) == 2 * PAIRS
-    assert len(many_kernels(compile_kernels((arch,)), arch, "LerpManyStochasticOp")) == 2 * 4
+    # Stochastic rounding's kernels for the four pairs with 16-bit EMAs, lerp_'s (one track) and
+    # lerp_many_'s (kMaxTracks = 8 a launch); lerp_many_'s plain ones for every pair; both layouts.
+    report = compile_kernels((arch,))
+    assert len(track_kernels(report, arch, 1, True)) == 2 * 4
+    assert len(track_kernels(report, arch, 8, False)) == 2 * PAIRS
+    assert len(track_kernels(report, arch, 8, True)) == 2 * 4
+    assert len(kernels) == 2 * PAIRS + 2 * 4 + 2 * PAIRS + 2 * 4, sorted(kernels)
     threads = block_threads()
     names = demangle(list(kernels))
     table = {

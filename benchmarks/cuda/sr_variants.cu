@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/stochastic_functor.cuh"
+#include "cuda/lerp_op.cuh"
 
 namespace fc = fused_ema::cuda;
 
@@ -58,30 +58,30 @@ void bench_pair(const char* pair, int64_t total, int tensors, int rounds, int re
   fill<<<1024, 256>>>(src, per * tensors, 2u);
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<fc::TensorRef> refs;
-  std::vector<fc::SrTensor> extras;
+  std::vector<fc::SrTracks<1>> extras;
   for (int t = 0; t < tensors; ++t) {
     refs.push_back({ema + t * per, src + t * per, per});
-    extras.push_back({0, static_cast<uint32_t>(t)});
+    extras.push_back({{}, {static_cast<uint32_t>(t)}, 0});
   }
-  const fc::WeightArg weight{1e-3, nullptr, nullptr};
-  const fc::StepArg step{5, nullptr};
-  using Sr = fc::LerpStochasticOp<E, S>;
+  const fc::TrackWeights<1> weight{{1e-3}, nullptr, nullptr, 0};
+  const fc::SrArgs<1> sr{{5, nullptr}, {1}};
+  using Sr = fc::LerpOp<E, S, 1, true>;
   std::vector<Case> cases;
-  cases.push_back({"RN (LerpOp)", [&](cudaStream_t s) {
-                     CHECK_CUDA(
-                         fc::multi_tensor_apply(refs.data(), tensors, fc::LerpOp<E, S>{weight}, s));
-                   }});
+  cases.push_back(
+      {"RN (LerpOp)", [&](cudaStream_t s) {
+         CHECK_CUDA(fc::multi_tensor_apply(refs.data(), tensors, fc::LerpOp<E, S>{weight, {}}, s));
+       }});
   auto add_sr = [&](auto op, const char* name) {
     cases.push_back({name, [&, op](cudaStream_t s) {
                        CHECK_CUDA(
                            fc::multi_tensor_apply(refs.data(), tensors, op, s, extras.data()));
                      }});
   };
-  add_sr(Sr{weight, step, 1}, "SR shipped");
-  add_sr(Variant<Sr, 1, 2>{{weight, step, 1}}, "SR ilp1 2blk");
-  add_sr(Variant<Sr, 2, 2>{{weight, step, 1}}, "SR ilp2 2blk");
-  add_sr(Variant<Sr, 2, 1>{{weight, step, 1}}, "SR ilp2 1blk");
-  add_sr(Variant<Sr, 4, 1>{{weight, step, 1}}, "SR ilp4 1blk");
+  add_sr(Sr{weight, sr}, "SR shipped");
+  add_sr(Variant<Sr, 1, 2>{{weight, sr}}, "SR ilp1 2blk");
+  add_sr(Variant<Sr, 2, 2>{{weight, sr}}, "SR ilp2 2blk");
+  add_sr(Variant<Sr, 2, 1>{{weight, sr}}, "SR ilp2 1blk");
+  add_sr(Variant<Sr, 4, 1>{{weight, sr}}, "SR ilp4 1blk");
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
   cudaEvent_t start, stop;

@@ -49,20 +49,21 @@ struct TensorRef {
   int64_t numel;
 };
 
-// Per-tensor data some ops need besides pointers and sizes (Op::extra_t; void: none). It costs
-// launch capacity, so only such ops' metadata carries it.
-template <typename Extra, int kCapacity>
+// Per-tensor data some ops need besides pointers and sizes (Op::extra_t; an empty struct: none).
+// It costs launch capacity, so only such ops' metadata carries it.
+struct NoExtra {};
+template <typename Extra, int kCapacity, bool = std::is_empty_v<Extra>>
 struct PerTensorExtra {
   Extra extra[kCapacity];
 };
-template <int kCapacity>
-struct PerTensorExtra<void, kCapacity> {};
+template <typename Extra, int kCapacity>
+struct PerTensorExtra<Extra, kCapacity, true> {};
 
 // Tensors a launch of `kParamBytes` of parameters carries: the fixed capacities for ops without
 // per-tensor data, fewer for ops with some.
 template <typename Extra, size_t kParamBytes>
 constexpr int capacity_for() {
-  if constexpr (std::is_void_v<Extra>) {
+  if constexpr (std::is_empty_v<Extra>) {
     return kParamBytes == kSmallParamBytes ? kSmallCapacity : kLargeCapacity;
   } else {
     constexpr size_t kPerTensor =
@@ -72,7 +73,7 @@ constexpr int capacity_for() {
 }
 
 // Struct of arrays: the binary search walks first_block alone.
-template <int kCapacity, typename Extra = void>
+template <int kCapacity, typename Extra = NoExtra>
 struct LaunchMeta : PerTensorExtra<Extra, kCapacity> {
   static constexpr int kMaxTensors = kCapacity;
   void* ema[kCapacity];

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cuda/lerp_functor.cuh"
+#include "cuda/lerp_op.cuh"
 
 namespace fc = fused_ema::cuda;
 
