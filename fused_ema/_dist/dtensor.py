@@ -76,7 +76,7 @@ def check_averageable(name: str, t: torch.Tensor) -> None:
 def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
     """ema <- value for any mix of plain tensors and DTensors (cast to the EMA's device/dtype); a
     plain `value` (held whole by every rank) gives each rank its shard, with no communication."""
-    if ema is value or _same_memory(local(ema), local(value)):
+    if ema is value or same_memory(local(ema), local(value)):
         return  # e.g. a state_dict() that dcp.load filled in place
     if not is_dtensor(ema):
         local(ema).copy_(value.full_tensor() if is_dtensor(value) else value)
@@ -90,7 +90,7 @@ def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
         local(ema).copy_(local(value))
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.data_ptr() == b.data_ptr()
         and a.shape == b.shape

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut
+from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut, same_memory
 from .._dist.shard import SavedSlices, gather_into
 from .._ext.grad import without_grad
 
@@ -185,9 +185,11 @@ def check_resharding(pairs) -> None:
 
 
 def copy_all(pairs) -> None:
-    """EMA weights into the model (copy_to), or loaded values into the EMA. Checked first; if an
-    interrupt lands part-way, the remaining copies still run before it propagates. A sharded EMA
-    of a replicated model is all-gathered into the model's tensors (a collective)."""
+    """EMA weights into the model (copy_to), or loaded values into the EMA. Checked first. Plain
+    tensors are copied by one call (torch._foreach_copy_: an interrupt lands before it or after
+    it); DTensors, which may need a collective each, one by one, the remaining copies still run
+    if an interrupt lands part-way. A sharded EMA of a replicated model is all-gathered into the
+    model's tensors (a collective)."""
     check_resharding(pairs)
     gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
     if gathered:
@@ -197,6 +199,13 @@ def copy_all(pairs) -> None:
 
 
 def _copy_each(pairs) -> None:
+    plain = [(t, v) for _, v, t in pairs if not is_dtensor(t) and not is_dtensor(v)]
+    if len(plain) == len(pairs):
+        # A value that is its target already (a state_dict dcp.load filled in place) stays.
+        plain = [(t, v) for t, v in plain if t is not v and not same_memory(t, v)]
+        if plain:
+            torch._foreach_copy_([t for t, _ in plain], [v for _, v in plain])
+        return
     finish_all([functools.partial(copy_into, target, value) for _, value, target in pairs])
 
 
