@@ -389,9 +389,10 @@ void run_fused_call(const FusedCall& call, const std::vector<DevicePlan>& plans)
 // the same order and its src holds the same values, so any of them serves as the item's src.
 std::vector<BemaItem> bema_items(const DevicePlan& plan, size_t tensors) {
   std::vector<BemaItem> items(tensors, BemaItem{nullptr, nullptr, nullptr, nullptr, 0, {}});
+  const TrackIndex at(tensors);
   for (const FlatPair& pair : plan.pairs) {
-    const size_t list = pair.index / tensors;
-    BemaItem& item = items[pair.index % tensors];
+    const uint32_t list = at.track(pair.index);
+    BemaItem& item = items[at.tensor(pair.index)];
     (list == 0 ? item.ema : list == 1 ? item.theta0 : item.out) = pair.ema;
     item.src = pair.src;
     item.numel = pair.numel;

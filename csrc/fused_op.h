@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "lerp_plan.h"
+#include "track_index.h"
 
 namespace fused_ema {
 
@@ -117,26 +118,6 @@ struct BemaItem {
 
 // bema_'s pairs of a plan as one item per source tensor (tensors of 0 elements left out).
 std::vector<BemaItem> bema_items(const DevicePlan& plan, size_t tensors);
-
-// The track k and tensor i of a pair's FlatPair::index, k * tensors + i, by a multiply and a shift
-// (Lemire's fastdiv for 32-bit values): a division per pair and use showed in the profile of
-// 20,000 small tensors.
-class TrackIndex {
- public:
-  explicit TrackIndex(size_t tensors)
-      : tensors_(static_cast<uint32_t>(tensors)),
-        magic_(tensors > 1 ? UINT64_MAX / tensors + 1 : 0) {}
-
-  uint32_t track(uint32_t index) const {
-    return tensors_ > 1 ? static_cast<uint32_t>((static_cast<__uint128_t>(magic_) * index) >> 64)
-                        : index;
-  }
-  uint32_t tensor(uint32_t index) const { return index - track(index) * tensors_; }
-
- private:
-  uint32_t tensors_;
-  uint64_t magic_;
-};
 
 // The dispatcher's kernels (fused_op_kernels.cpp; schemas in fused_ema.cpp), registered for the
 // CPU, CUDA and, for empty lists and devices without a kernel, CompositeExplicitAutograd.

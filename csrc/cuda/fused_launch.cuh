@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../dtype_pair_list.h"
+#include "../track_index.h"
 #include "bema_op.cuh"
 #include "lerp_op.cuh"
 
@@ -129,6 +130,7 @@ cudaError_t launch_lerp_rounds(const Pair* pairs, size_t count, const LerpCall& 
         }
       }
     } else {  // an entry per source: one per dtype pair (and stand-in source) of a tensor
+      const TrackIndex at(call.tensors);
       for (size_t row = 0; row < count;) {
         struct Entry {
           size_t kind;
@@ -137,10 +139,10 @@ cudaError_t launch_lerp_rounds(const Pair* pairs, size_t count, const LerpCall& 
         };
         Entry entries[K];
         int used = 0;
-        const size_t tensor = pairs[row].index % call.tensors;
-        for (; row < count && pairs[row].index % call.tensors == tensor; ++row) {
+        const uint32_t tensor = at.tensor(pairs[row].index);
+        for (; row < count && at.tensor(pairs[row].index) == tensor; ++row) {
           const Pair& pair = pairs[row];
-          const size_t track = pair.index / call.tensors;
+          const uint32_t track = at.track(pair.index);
           if (track < first || track >= first + K) {
             continue;
           }
