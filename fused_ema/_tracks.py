@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from ._model.swap import finish_all
+from ._state.ema_state import commit_loads
 from .checkpoint import read_source
 from .ema import ModelEma
 from .errors import CheckpointError
@@ -144,8 +144,7 @@ class TrackSet(nn.Module):
     def _write(prepared, restore) -> None:
         """Every track's writes, then the header's: once begun, an interrupt stops none of them
         (swap.finish_all)."""
-        steps = [step for track, p in prepared for step in track._state.write_steps(*p)]
-        finish_all([*steps, restore])
+        commit_loads([track._state.load_writes(*p) for track, p in prepared] + [([], [restore])])
         for track, _ in prepared:
             track._state.warn_precision()
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._dist import zero3
 from ._dist.dtensor import is_dtensor, local
 from ._model.name_filters import check_name_patterns
 from ._model.walk import strip_checkpoint_prefixes
@@ -377,8 +378,18 @@ def prepare_load(
         entry = table.by_name.get(name)
         if entry is None:
             continue
+        bound = entry.bound()
+        partitioned = bound is not None and zero3.is_zero3(bound)
+        if partitioned and isinstance(tensor, torch.Tensor) and tensor.shape == bound.ds_shape:
+            tensor = zero3.take_partition(tensor, bound)  # a whole (unsharded) checkpoint's value
         first = covered.setdefault(id(entry), (name, tensor))
         problem = tensor_problem(name, tensor, entry.ema)
+        if problem and partitioned:
+            problem += (
+                f" (this rank's ZeRO-3 partition of a parameter of shape {list(bound.ds_shape)}: "
+                "a checkpoint saved per rank loads at the same world size and rank, a whole one "
+                "(full_state_dict()) at any)"
+            )
         if problem is None and first[1] is not tensor:  # a tied weight's other names: same values
             problem = _tie_problem(name, tensor, *first, entry.ema)
         if problem:

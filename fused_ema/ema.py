@@ -333,8 +333,8 @@ class ModelEma(TimmAttributes, nn.Module):
         also when the block raises. The tensors stay the same objects at the same addresses, so
         optimizers, hooks and compiled graphs see the EMA weights. Tensors of the EMA's dtype and
         device are exchanged in place through a scratch buffer of at most 16 MiB per dtype and
-        device; others (a 16-bit model with a float32 EMA) have their values saved aside, which
-        costs their size."""
+        device; for others (a 16-bit model with a float32 EMA) the EMA's values are cast first,
+        which costs their size. Each direction is one call, all or nothing."""
         self._ready("swapped")
         with self._updater.lend(unwrap_model(model)) as model:
             yield model

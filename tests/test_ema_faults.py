@@ -199,26 +199,37 @@ def test_swap_in_failing_part_way_restores_both_sides():
     assert_model_unchanged(model, values)
 
 
-def test_swap_in_interrupted_in_the_middle_restores_both_sides(monkeypatch):
+@pytest.mark.parametrize("call", [1, 2])  # the swap-in's exchange, the swap-out's
+@pytest.mark.parametrize("after", [False, True])
+def test_an_interrupt_next_to_an_exchange_restores_both_sides(monkeypatch, call, after):
+    """Each direction of a swap is one call: an interrupt lands before it or after it, and the
+    swap-out (repeated after an interrupt) leaves the model and the EMA as they were."""
     import fused_ema._model.swap as swap_module
 
     model, ema = moved_ema()
     before, values = state_of(ema), model_values(model)
-    real, calls = swap_module._exchange_chunk, []
+    real, calls, seen = swap_module._swap_values, [], []
 
-    def interrupted(a, b, scratch):
+    def interrupted(*args):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == call and not after:
             raise KeyboardInterrupt
-        real(a, b, scratch)
+        real(*args)
+        if len(calls) == call and after:
+            raise KeyboardInterrupt
 
-    monkeypatch.setattr(swap_module, "_exchange_chunk", interrupted)
+    monkeypatch.setattr(swap_module, "_swap_values", interrupted)
     with pytest.raises(KeyboardInterrupt):
         with ema.swapped(model):
-            pass
-    monkeypatch.setattr(swap_module, "_exchange_chunk", real)
+            seen.append(model_values(model))
+    monkeypatch.setattr(swap_module, "_swap_values", real)
+    assert len(seen) == (call == 2)
+    if seen:  # the block ran with the EMA's weights
+        for name, value in before[0].items():
+            assert torch.equal(seen[0][name], value), name
     assert_same_state(ema, before)
     assert_model_unchanged(model, values)
+    ema.update(model)  # usable: the swap is over
 
 
 def test_swapping_parameters_that_share_memory_restores_both_sides():

@@ -464,3 +464,30 @@ def test_a_cuda_graph_pins_the_schedule_to_its_device():
     with pytest.raises(RuntimeError, match="captured in a CUDA graph"):
         ema.update(model)
     assert ema.step == 3
+
+
+def test_a_compiled_update_of_the_models_own_tensors_runs_the_prepared_update():
+    # The program hands the op the model's parameters themselves (nothing in the graph wrote
+    # them): the update is the eager one, prepared, and ends bit for bit as eager updates do.
+    torch._dynamo.reset()
+    torch.manual_seed(9)
+    model, eager_model = small_mlp(), small_mlp()
+    eager_model.load_state_dict(model.state_dict())
+    ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)
+    eager = fused_ema.ModelEma(eager_model, decay=0.9, warmup=True)
+    compiled = torch.compile(lambda net, averager: averager.update(net), fullgraph=True)
+    runs = []
+    for k in range(4):
+        with torch.no_grad():
+            for net in (model, eager_model):
+                for p in net.parameters():
+                    p.mul_(0.5).add_(0.1 * k)
+        compiled(model, ema)
+        eager.update(eager_model)
+        prepared = ema._updater.prepared
+        runs.append(None if prepared is None else prepared.runs())
+    assert runs[-1] is not None and runs[-1] >= 2, runs
+    assert ema.step == eager.step == 4
+    ours, theirs = ema.state_dict()["weights"], eager.state_dict()["weights"]
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name

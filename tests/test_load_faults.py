@@ -13,7 +13,6 @@ import fused_ema
 from ema_helpers import small_mlp, trained
 from fused_ema import Bema, CheckpointError, ModelEma
 from fused_ema._model import swap
-from fused_ema._update.schedule import Schedule
 from fused_ema.posthoc import PostHocEma
 
 
@@ -57,32 +56,45 @@ class InterruptAfter:
 
 @pytest.mark.parametrize("before", [True, False])
 def test_an_interrupt_at_the_one_copy_call_still_loads_everything(monkeypatch, before):
-    """The weights of plain tensors are copied by one call: an interrupt lands just before it or
-    just after it, and either way the whole checkpoint ends loaded before it propagates."""
-    _, checkpoint, target = source_and_target()
+    """A load's tensors (the weights, then the schedule's config, counter and weight) are copied
+    by one call: an interrupt lands just before it or just after it, and either way the whole
+    checkpoint (its schedule options too) ends loaded before it propagates."""
+    model, checkpoint, target = source_and_target()
     copy_call = InterruptAfter(torch._foreach_copy_, 1, before)
     monkeypatch.setattr(swap.torch, "_foreach_copy_", copy_call)
     with pytest.raises(KeyboardInterrupt):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
-    assert copy_call.calls >= 1
-    assert_loaded(target, checkpoint)
-
-
-@pytest.mark.parametrize("before", [True, False])
-def test_an_interrupt_after_the_weights_still_loads_the_step_and_schedule(monkeypatch, before):
-    model, checkpoint, target = source_and_target()
-    load = InterruptAfter(Schedule.load, 1, before)
-    monkeypatch.setattr(Schedule, "load", lambda self, *args: load(self, *args))
-    with pytest.raises(KeyboardInterrupt):
-        target.load_state_dict(checkpoint)
-    monkeypatch.undo()
+    assert copy_call.calls == 2  # repeated (it is idempotent): it may have run before the interrupt
     assert_loaded(target, checkpoint)
     target.update(model)  # still usable
 
 
+@pytest.mark.parametrize("kind", ["ema", "posthoc", "bema"])
+def test_a_load_writes_every_tensor_by_one_call(monkeypatch, kind):
+    torch.manual_seed(0)
+    model = small_mlp()
+    make = {
+        "ema": lambda: ModelEma(model, decay=0.5),
+        "posthoc": lambda: PostHocEma(model, (0.05, 0.1)),
+        "bema": lambda: Bema(model, update_freq=1, lag=2),
+    }[kind]
+    source, target = make(), make()
+    for step in range(1, 4):
+        source.update(trained(model, 1, seed=step))
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(swap.torch, "_foreach_copy_", lambda *a: calls.append(1) or real(*a))
+    checkpoint = copy.deepcopy(source.state_dict())
+    target.load_state_dict(checkpoint)
+    assert len(calls) == 1
+    saved = [checkpoint] if kind == "ema" else checkpoint["emas"]
+    for track, state in zip([target] if kind == "ema" else target._tracks, saved, strict=True):
+        assert_loaded(track, state)
+
+
 @pytest.mark.parametrize("kind", ["posthoc", "bema"])
-def test_an_interrupt_between_tracks_still_loads_every_track(monkeypatch, kind):
+def test_an_interrupt_after_the_one_copy_call_still_loads_every_track(monkeypatch, kind):
     torch.manual_seed(0)
     model = small_mlp()
     make = (
@@ -95,11 +107,12 @@ def test_an_interrupt_between_tracks_still_loads_every_track(monkeypatch, kind):
         source.update(trained(model, 1, seed=step))
     target.update(trained(model, 1, seed=40))
     checkpoint = copy.deepcopy(source.state_dict())
-    load = InterruptAfter(Schedule.load, 1)
-    monkeypatch.setattr(Schedule, "load", lambda self, *args: load(self, *args))
+    copy_call = InterruptAfter(torch._foreach_copy_, 1)  # every track's tensors: one call
+    monkeypatch.setattr(swap.torch, "_foreach_copy_", copy_call)
     with pytest.raises(KeyboardInterrupt):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
+    assert copy_call.calls == 2
     for track, saved in zip(target._tracks, checkpoint["emas"], strict=True):
         assert_loaded(track, saved)
 

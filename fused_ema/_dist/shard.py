@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._ext.grad import without_grad
+from . import zero3
 from .dtensor import chunk, chunk_dim, is_dtensor, local
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
@@ -374,6 +375,9 @@ def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:
                 out.update({name: gathered[id(entry)] for name in entry.names})
             continue
         value = entry.ema.detach()
+        bound = entry.bound()
+        if bound is not None and zero3.is_zero3(bound):  # a ZeRO-3 partition: every rank joins
+            value = zero3.gather_full(value, bound)
         value = value.full_tensor() if is_dtensor(value) else value  # every rank joins
         if not keep:
             continue

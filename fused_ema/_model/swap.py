@@ -1,9 +1,9 @@
-"""Putting EMA weights into a model's own tensors and back (ModelEma.swapped, copy_to). Same
-dtype and device: the values are exchanged in place through a scratch buffer of at most
-SWAP_CHUNK_BYTES per dtype and device. Otherwise (a bf16 model with a float32 EMA, an EMA on
-another device, tensors sharing memory) the model's values are saved aside first. Every write is
-undone if the swap-in fails part-way. A sharded EMA of a replicated model (ModelEma(shard=...))
-is all-gathered straight into the model's tensors, each rank saving aside only its own chunk."""
+"""Putting EMA weights into a model's own tensors and back (ModelEma.swapped, copy_to). A swap is
+prepared first (the EMA's values cast to the model's dtype and device where they differ, which
+costs the model tensor's size, and a scratch buffer of at most SWAP_CHUNK_BYTES per dtype and
+device), then done by one call that exchanges every pair's values in place (csrc/swap_values.cpp),
+and undone by one more. A sharded EMA of a replicated model (ModelEma(shard=...)) is all-gathered
+straight into the model's tensors, each rank saving aside only its own chunk."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut, same_memory
+from .._dist import zero3
+from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut, same_memory, sharding
 from .._dist.shard import SavedSlices, gather_into
 from .._ext.grad import without_grad
 
@@ -34,131 +35,76 @@ def check_writable(pairs) -> None:
         )
 
 
-def _shared_storage(pairs) -> set:
-    """Names of model tensors sharing memory with another tracked model tensor."""
-    owners: dict = {}
-    for name, _, target in pairs:
-        t = local(target)
-        if t.numel() == 0:
-            continue
-        owners.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(name)
-    return {name for names in owners.values() if len(names) > 1 for name in names}
-
-
 class Swap:
-    """The writes of one swap-in, and how to undo them."""
+    """One swap of (name, EMA tensor, model tensor) pairs, prepared: swap_in() and swap_out() are
+    one exchange each, and either may be called again after an interrupt (it then does nothing
+    more). Tensors sharing memory need no care: each exchange undoes itself, in reverse order."""
 
     def __init__(self, pairs):
         self._gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
-        self._pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
         self._slices = None  # the model's own chunks, while the EMA is gathered into it
-        self._exchanged: list = []
-        self._saved: list = []
-        self._scratch: dict = {}
+        pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
+        self._zero3 = [t for _, _, t in pairs if zero3.is_zero3(t)]  # released at both ends
+        # A ZeRO-3 parameter exchanges its valid partition, which a forward gathers once released.
+        pairs = [(n, e, zero3.partition(t) if zero3.is_zero3(t) else t) for n, e, t in pairs]
+        partners = without_grad(lambda: [_partner(e, t) for _, e, t in pairs])
+        self._saved = [p for p, (_, e, _) in zip(partners, pairs) if p is not local(e)]
+        self._targets = [local(t) for _, _, t in pairs]
+        self._partners = partners
+        self._scratch = _scratch_buffers(self._targets)
+        self._state = torch.zeros((), dtype=torch.int64)  # 1 while the EMA's values are in
 
     def scratch_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self._scratch.values())
+        return sum(s.numel() * s.element_size() for s in self._scratch)
 
     def saved_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for _, s in self._saved)
+        return sum(s.numel() * s.element_size() for s in self._saved)
 
     def swap_in(self) -> None:
-        shared = _shared_storage(self._pairs)
-        try:
-            without_grad(self._write_in, shared)
-        except BaseException:
-            self.swap_out()
-            raise
-
-    def _write_in(self, shared: set) -> None:
-        if self._gathered:
-            self._gather_in()
-        for name, ema, target in self._pairs:
-            t, e = local(target), local(ema)
-            if name not in shared and _exchangeable(t, e):
-                self._exchange(t, e)
-                self._exchanged.append((t, e))
-            else:
-                self._saved.append((t, t.clone()))
-                copy_into(target, ema)
-
-    def _gather_in(self) -> None:
-        mesh = self._gathered[0][0].device_mesh
-        targets = [t for _, t in self._gathered]
-        slices = SavedSlices(targets, mesh.get_group(), mesh.size(), mesh.get_local_rank())
-        self._slices = slices  # from here on, swap_out puts the model back
-        gather_into(self._gathered)
+        if self._gathered and self._slices is None:
+            mesh = self._gathered[0][0].device_mesh
+            targets = [t for _, t in self._gathered]
+            group, size, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+            self._slices = SavedSlices(targets, group, size, rank)  # swap_out puts them back
+            without_grad(gather_into, self._gathered)
+        zero3.release(self._zero3)  # a forward then gathers the partitions holding the EMA
+        _swap_values(self._targets, self._partners, self._scratch, self._state, 1)
 
     def swap_out(self) -> None:
-        """Puts the model's values back, latest write first. Resumable: a write is forgotten only
-        once undone (each exchange is all or nothing, a saved copy can be written twice), so
-        after an interrupt, calling it again finishes the job (ModelEma.swapped does)."""
-        without_grad(self._write_out)
-        self._scratch = {}
-
-    def _write_out(self) -> None:
-        slices, self._slices = self._slices, None
-        if slices is not None:
-            slices.restore()
-        while self._exchanged:
-            t, e = self._exchanged[-1]
-            self._exchange(t, e)
-            self._exchanged.pop()
-        while self._saved:
-            t, original = self._saved[-1]
-            t.copy_(original)
-            self._saved.pop()
-
-    def _exchange(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        if a.numel() == 0:
-            return
-        flat_a, flat_b = a.view(-1), b.view(-1)
-        step = max(1, SWAP_CHUNK_BYTES // a.element_size())
-        key = (a.device, a.dtype)
-        scratch = self._scratch.get(key)
-        if scratch is None or scratch.numel() < min(step, a.numel()):
-            scratch = self._scratch[key] = torch.empty(
-                min(step, a.numel()), dtype=a.dtype, device=a.device
-            )
-        done = []
-        try:
-            for start in range(0, a.numel(), step):
-                ca, cb = flat_a[start : start + step], flat_b[start : start + step]
-                _exchange_chunk(ca, cb, scratch[: ca.numel()])
-                done.append((ca, cb))
-        except BaseException:
-            for ca, cb in reversed(done):
-                _exchange_chunk(ca, cb, scratch[: ca.numel()])
-            raise
+        """Puts the model's values back. A call interrupted before its exchange may be repeated."""
+        _swap_values(self._targets[::-1], self._partners[::-1], self._scratch, self._state, 0)
+        zero3.release(self._zero3)  # what a forward gathered of the EMA inside the block
+        if self._slices is not None:
+            without_grad(self._slices.restore)
+            self._slices = None
 
 
-def _exchangeable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.device == b.device
-        and a.shape == b.shape
-        and a.is_contiguous()
-        and b.is_contiguous()
-    )
+def _swap_values(a, b, scratch, state, into: int) -> None:
+    without_grad(torch.ops.fused_ema.swap_values_, a, b, scratch, state, into)
 
 
-def _exchange_chunk(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
-    """a and b exchange values through scratch, all or nothing: whatever raises (a copy, or an
-    interrupt landing after any of them, even the last) leaves both as they were. `copied` counts
-    the copies known to be done; the next one may have run too, and is undone either way."""
-    copied = 0
-    try:
-        scratch.copy_(a)
-        copied = 1
-        a.copy_(b)
-        copied = 2
-        b.copy_(scratch)
-    except BaseException:
-        if copied == 2:  # a holds b's values; b its own or a's
-            b.copy_(a)
-        if copied >= 1:
-            a.copy_(scratch)
-        raise
+def _partner(ema: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """What the model tensor exchanges values with: the EMA tensor itself, or a copy of it in
+    the model tensor's dtype, device and layout."""
+    same_kind = is_dtensor(ema) == is_dtensor(target)
+    if same_kind and (not is_dtensor(ema) or sharding(ema) == sharding(target)):
+        e, t = local(ema), local(target)
+        if (e.dtype, e.device, e.shape) == (t.dtype, t.device, t.shape):
+            return e
+    value = torch.empty_like(target)
+    copy_into(value, ema)
+    return local(value)
+
+
+def _scratch_buffers(targets) -> list:
+    """One buffer per dtype and device: SWAP_CHUNK_BYTES at most, a row of dim 0 at least."""
+    need: dict = {}
+    for t in targets:
+        step = max(1, SWAP_CHUNK_BYTES // t.element_size())
+        row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
+        key = (t.device, t.dtype)
+        need[key] = max(need.get(key, 0), min(step, t.numel()), row)
+    return [torch.empty(n, dtype=dtype, device=device) for (device, dtype), n in need.items()]
 
 
 def check_resharding(pairs) -> None:
@@ -191,6 +137,11 @@ def copy_all(pairs) -> None:
     if an interrupt lands part-way. A sharded EMA of a replicated model is all-gathered into the
     model's tensors (a collective)."""
     check_resharding(pairs)
+    partitioned = [(e, t) for _, e, t in pairs if zero3.is_zero3(t)]
+    if partitioned:  # a DeepSpeed ZeRO-3 model: each rank writes its partitions
+        steps = [functools.partial(zero3.write, e, t) for e, t in partitioned]
+        without_grad(finish_all, steps + [lambda: zero3.release([t for _, t in partitioned])])
+        pairs = [p for p in pairs if not zero3.is_zero3(p[2])]
     gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
     if gathered:
         without_grad(gather_into, gathered)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._dist import zero3
 from .._dist.dtensor import check_averageable, is_dtensor, same_layout
 from .name_filters import NameFilter
 from .walk import PARAM, Tracked
@@ -94,6 +95,8 @@ class EntryPolicy:
                 "nn.LazyLinear): run one forward pass to materialize it before building the EMA or "
                 "calling ema.resync(model)"
             )
+        if zero3.is_zero3(tracked.tensor):
+            return self._zero3_entry(tracked)
         t = tracked.tensor.detach()
         if t.is_complex() and tracked.kind == PARAM:
             raise ValueError(
@@ -131,6 +134,25 @@ class EntryPolicy:
             ema = nn.Parameter(ema, requires_grad=False)
         return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
 
+    def _zero3_entry(self, tracked: Tracked) -> Entry:
+        """The EMA of a ZeRO-3 parameter: this rank's valid partition elements, flat (1-D), as
+        the policy's dtype on its device (by default the partition's device)."""
+        if self.shard is not None:
+            raise ValueError(
+                f"fused_ema: {tracked.name} is partitioned by DeepSpeed ZeRO-3, and the EMA of a "
+                "ZeRO-3 model is partitioned with it: build it without shard="
+            )
+        part = zero3.partition(tracked.tensor).detach()
+        if not self.averages(part, tracked.kind, tracked.names):
+            raise NotImplementedError(
+                f"fused_ema: copy_names matches {tracked.name}, a ZeRO-3 parameter; copying "
+                "partitions instead of averaging them is not supported yet"
+            )
+        dtype = self.dtype or (torch.float64 if part.dtype == torch.float64 else torch.float32)
+        device = self.device if self.device is not None else part.device
+        ema = nn.Parameter(part.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+        return Entry(list(tracked.names), tracked.kind, ema, True, weakref.ref(tracked.tensor))
+
 
 @dataclass
 class Changes:
@@ -147,6 +169,8 @@ class Changes:
 
 
 def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
+    if zero3.is_zero3(t):
+        return zero3.same_layout(entry.ema, t)
     return same_layout(entry.ema, t)
 
 

@@ -26,15 +26,25 @@ _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP / DataParallel / torch.compile wrappers (any nesting)."""
+    """The user's module inside DDP / DataParallel / DeepSpeed engine / torch.compile wrappers (any
+    nesting)."""
     while True:
-        if isinstance(model, _PARALLEL_WRAPPERS):
+        if isinstance(model, _PARALLEL_WRAPPERS) or _is_deepspeed_engine(model):
             model = model.module
             continue
         inner = _orig_mod(model)
         if inner is None:
             return model
         model = inner
+
+
+def _is_deepspeed_engine(model: nn.Module) -> bool:
+    """deepspeed.initialize's engine (also what accelerate's prepare returns under DeepSpeed),
+    which holds the model as .module; told by its class's module so that deepspeed is not
+    imported."""
+    return type(model).__module__.startswith("deepspeed.") and isinstance(
+        model.__dict__.get("_modules", {}).get("module"), nn.Module
+    )
 
 
 def _orig_mod(model: nn.Module) -> nn.Module | None:

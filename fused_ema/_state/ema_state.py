@@ -11,7 +11,6 @@ from collections import OrderedDict
 import torch
 
 from .._dist.shard import gather_full
-from .._ext.grad import without_grad
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._update.schedule import rounding_from_state
 from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_source
@@ -24,6 +23,14 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 def rounding_seed(rounding: dict):
     """The seed of stochastic rounding, or None when 16-bit EMA tensors round to nearest."""
     return rounding["stochastic_rounding_seed"] if rounding["stochastic_rounding"] else None
+
+
+def commit_loads(writes) -> None:
+    """Writes the loads of one or more EMAs (EmaState.load_writes each): every tensor by one copy
+    call (swap.copy_all), then the settings. Once it has begun, an interrupt stops none of it."""
+    pairs = unaliased([pair for tensors, _ in writes for pair in tensors])
+    check_resharding(pairs)  # the last check: it raises before anything is written
+    finish_all([lambda: copy_all(pairs), *(step for _, after in writes for step in after)])
 
 
 class EmaState:
@@ -85,23 +92,22 @@ class EmaState:
 
     def apply(self, prepared, rounding) -> LoadResult:
         """Writes what prepare() made; nothing here can fail on the checkpoint's data."""
-        finish_all(self.write_steps(prepared, rounding))
+        commit_loads([self.load_writes(prepared, rounding)])
         self.warn_precision()
         return prepared.result
 
-    def write_steps(self, prepared, rounding) -> list:
-        """The writes of a load, for swap.finish_all: the weights, then the step and schedule,
-        then the rounding setting. Once the first has begun, an interrupt cannot stop the others
-        (the weights of one checkpoint with the step of another)."""
-        pairs = unaliased([(entry.name, value, entry.ema) for entry, value in prepared.values])
-        check_resharding(pairs)  # the last check: it raises before anything is written
-        steps = [
-            lambda: without_grad(copy_all, pairs),
-            lambda: self.schedule.load(prepared.options, prepared.step),
-        ]
+    def load_writes(self, prepared, rounding) -> tuple[list, list]:
+        """A load's writes, for commit_loads: (name, value, target) of every tensor (the weights,
+        then the schedule's config, counter and weight, computed aside) and the Python settings
+        to apply after them."""
+        pairs = [(entry.name, value, entry.ema) for entry, value in prepared.values]
+        pairs += self.schedule.loaded(prepared.options, prepared.step)
+        after = []
+        if prepared.options is not None:
+            after.append(lambda: setattr(self.schedule, "options", prepared.options))
         if rounding is not None:
-            steps.append(lambda: self._set_rounding(rounding))
-        return steps
+            after.append(lambda: self._set_rounding(rounding))
+        return pairs, after
 
     def _set_rounding(self, rounding: dict) -> None:
         self.rounding = rounding

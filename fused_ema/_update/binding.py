@@ -10,6 +10,7 @@ import weakref
 import torch
 from torch import nn
 
+from .._dist import zero3
 from .._dist.dtensor import is_dtensor, local, refuse_unsharded
 from .._ext.grad import without_grad
 from .._ext.loader import _C
@@ -53,7 +54,13 @@ class Binding:
     def _build_module(self, ema, entries, model) -> nn.Module:
         if self.policy.shard is not None:  # each forward gathers the EMA into the model
             return SwappedModelView(ema, model)
+        if self.zero3(entries):  # partitions cannot stand in for the weights of a copy
+            return SwappedModelView(ema, model)
         return build_module(ema, entries, model)
+
+    def zero3(self, entries=None) -> bool:
+        """Whether the EMA follows a DeepSpeed ZeRO-3 model (averages partitions)."""
+        return any(zero3.is_zero3(e.bound()) for e in entries or self.table.entries)
 
     @property
     def with_buffers(self) -> bool:
@@ -145,8 +152,8 @@ class Binding:
         if self.policy.device is None:  # each EMA tensor follows its model tensor
             for e in table.entries:
                 src = current[e.name]
-                if is_dtensor(e.ema) or is_dtensor(src) or src.is_meta:
-                    continue  # a shard stays where it was made
+                if is_dtensor(e.ema) or is_dtensor(src) or src.is_meta or zero3.is_zero3(src):
+                    continue  # a shard (or ZeRO-3 partition) stays where it was made
                 if e.ema.device != src.device:
                     moves.append((e.ema, e.ema.data, e.ema.data.to(src.device)))
         for tensor, _, moved in moves:

@@ -1,6 +1,7 @@
 """ModelEma.update inside torch.compile: the traced program walks the model (so the values it
 averages toward are those the compiled code computed) and calls one opaque op, which runs the
-very update plan an eager call runs, with the same structure checks on the live model. The op
+very update plan an eager call runs, with the same structure checks on the live model (prepared,
+when the program hands over the model's own tensors, none computed anew in the graph). The op
 mutates the EMA's step counter, which keeps it in the graph and ordered."""
 
 from __future__ import annotations

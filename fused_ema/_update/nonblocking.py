@@ -24,12 +24,13 @@ class AsyncRunner:
         """Starts the copies into staging: CPU sources at once, GPU sources on a side stream that
         first waits for the training stream; the training stream then waits for the copies, so
         no later kernel (the next optimizer step) writes a weight before it has been read."""
-        events, by_device = [], {}
+        events, by_device, now = [], {}, []
         for view, src in pairs:
             if src.device.type == "cuda":
                 by_device.setdefault(src.device, []).append((view, src))
             else:
-                view.copy_(src)
+                now.append((view, src))
+        _copy_pairs(now)
         for device, device_pairs in by_device.items():
             current = torch.cuda.current_stream(device)
             side = self._side_streams.get(device)
@@ -37,8 +38,7 @@ class AsyncRunner:
                 side = self._side_streams[device] = torch.cuda.Stream(device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                for view, src in device_pairs:
-                    view.copy_(src, non_blocking=True)
+                _copy_pairs(device_pairs, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
             current.wait_event(done)
@@ -79,3 +79,10 @@ class AsyncRunner:
             self._pending = None
             if error is not None:
                 raise error
+
+
+def _copy_pairs(pairs, non_blocking: bool = False) -> None:
+    """view <- src for every (view, src), by one call."""
+    if pairs:
+        views, srcs = zip(*pairs)
+        torch._foreach_copy_(list(views), list(srcs), non_blocking=non_blocking)

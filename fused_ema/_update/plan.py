@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .._dist import zero3
 from .._dist.dtensor import is_dtensor, local, replica_cut, shard_offset
 from .._ext.loader import _C
 from .._model.tracking import EntryTable
@@ -143,7 +144,7 @@ class DeviceGroup:
         if self.shards:
             out += [walk[i]._local_tensor for i in self.shards]
         if self.cuts:
-            out += [walk[i].narrow(d, s, n) for i, d, s, n in self.cuts]
+            out += [zero3.base(walk[i]).narrow(d, s, n) for i, d, s, n in self.cuts]
         return out + self.staging
 
     def staged_copies(self, walk: list) -> list:
@@ -177,6 +178,7 @@ class UpdatePlan:
         cuts: dict = {}
         staged: dict = {}
         streams: dict = {}
+        firsts: dict = {}  # id(EMA tensor) -> index of its first element in the full tensor
         for entry in table.entries:
             index = position[id(entry.bound())]
             ema, src = local(entry.ema), local(walk[index])
@@ -191,7 +193,13 @@ class UpdatePlan:
                 continue
             device = ema.device
             self.groups.setdefault(device, DeviceGroup(device))
-            cut = replica_cut(entry.ema, walk[index])  # ModelEma(shard=...): its rows only
+            if zero3.is_zero3(walk[index]):  # a ZeRO-3 parameter: its partition's valid part
+                cut = zero3.cut(walk[index])
+                src = _part(walk[index], cut)
+                firsts[id(ema)] = zero3.offset(walk[index])
+            else:
+                cut = replica_cut(entry.ema, walk[index])  # ModelEma(shard=...): its rows only
+                firsts[id(ema)] = _first_element(entry.ema)
             if not snap and src.device == device and pair_supported(ema.dtype, src.dtype):
                 if cut is not None:
                     cuts.setdefault(device, []).append((ema, (index, *cut)))
@@ -228,7 +236,7 @@ class UpdatePlan:
             if seed is not None and any(e.dtype in _ROUNDED for e in group.ema):
                 group.seed = seed
                 group.keys = [stream_key(streams[id(e)].name) for e in group.ema]
-                group.offsets = [_first_element(streams[id(e)].ema) for e in group.ema]
+                group.offsets = [firsts[id(e)] for e in group.ema]
         # One EMA tensor per write: its version counter moves when that write happens.
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
@@ -371,11 +379,13 @@ class UpdatePlan:
 
     def _stage(self, groups, values: list) -> None:
         """Copies staged sources into place; nothing of the EMA is written yet."""
-        waits = set()
+        waits, views, parts = set(), [], []
         for group in groups:
-            for view, (i, cut) in zip(group.staging, group.staged):
-                view.copy_(_part(values[i], cut), non_blocking=True)
+            views += group.staging
+            parts += [_part(values[i], cut) for i, cut in group.staged]
             waits |= group.wait_for
+        if views:
+            torch._foreach_copy_(views, parts, non_blocking=True)
         for cuda_device in waits:
             # copies into pinned host memory must land before the CPU kernel reads them
             torch.cuda.current_stream(cuda_device).synchronize()
@@ -405,8 +415,9 @@ def _first_element(ema: torch.Tensor) -> int:
 
 
 def _part(t: torch.Tensor, cut) -> torch.Tensor:
-    """What an EMA tensor averages of model tensor `t`: its local shard, or its rows `cut`."""
-    return local(t) if cut is None else t.narrow(*cut)
+    """What an EMA tensor averages of model tensor `t`: its local shard, or its rows `cut` (of
+    its partition, for a ZeRO-3 parameter)."""
+    return local(t) if cut is None else zero3.base(t).narrow(*cut)
 
 
 def _run_to_the_end(writes: list) -> None:

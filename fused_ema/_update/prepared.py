@@ -3,8 +3,9 @@ then each update one call (_C.run_prepared) that checks every tensor is still wh
 moves the schedules and runs every lerp and copy, refusing before the first write. Two kinds of
 source are views the extension cannot check alone, so current() checks them in Python: a DTensor's
 local shard (the DTensor's _local_tensor must still be it) and the rows a ModelEma(shard=...)
-averages of a replicated tensor (that tensor must still hold the same memory). Plans whose sources
-must be staged, and non_blocking or compiled updates, run as UpdatePlan.run / start do."""
+averages of a replicated tensor, or a ZeRO-3 parameter's valid partition (that tensor, or that
+partition, must still hold the same memory). Plans whose sources must be staged, and non_blocking
+or compiled updates, run as UpdatePlan.run / start do."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from .._dist.dtensor import is_dtensor
+from .._dist.zero3 import base
 from .._ext.loader import _C
 from .plan import UpdatePlan
 
@@ -172,5 +174,8 @@ def _local_of(ref):
 
 def _memory(t):
     """Where a tensor's elements lie (None once it is gone): a view of its rows stays valid while
-    this does not change."""
-    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+    this does not change. For a ZeRO-3 parameter, those of its partition (the cut's base)."""
+    if t is None:
+        return None
+    t = base(t)
+    return (t.data_ptr(), t.dtype, t.shape, t.stride())

@@ -12,6 +12,7 @@ import torch
 
 from .._ext.grad import without_grad
 from .._ext.loader import _C
+from .._model.swap import finish_all
 
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
 MAX_STEP = int(_C.MAX_STEP)
@@ -334,14 +335,27 @@ class Schedule:
         return float(self.out[1].item())
 
     def load(self, options: dict | None, step: int | None) -> None:
-        """Applies already validated options and step."""
-        without_grad(self._load, options, step)
-
-    def _load(self, options: dict | None, step: int | None) -> None:
+        """Applies already validated options and step: the tensors by one copy call, then the
+        options (an interrupt between the two lets the second happen before it propagates)."""
+        pairs = self.loaded(options, step)
+        copy = [t for _, _, t in pairs], [v for _, v, _ in pairs]
+        steps = [lambda: without_grad(torch._foreach_copy_, *copy)]
         if options is not None:
-            config = torch.tensor(_config_values(options), dtype=torch.float64)
-            self.config.copy_(config)
-            self.options = options
-        if step is not None:
-            self.step.fill_(step)
-        self._compute(advance=False)
+            steps.append(lambda: setattr(self, "options", options))
+        finish_all(steps)
+
+    def loaded(self, options: dict | None, step: int | None) -> list:
+        """What a load writes into these tensors, computed aside, as (name, value, target): the
+        config of `options` (None: kept), the counter at `step` (None: kept) and that step's
+        weight and decay."""
+        config = self.config
+        if options is not None:
+            config = torch.tensor(_config_values(options), dtype=torch.float64).to(config.device)
+        counter = self.step.clone() if step is None else torch.full_like(self.step, step)
+        out = torch.empty_like(self.out)
+        without_grad(torch.ops.fused_ema.ema_schedule_, counter, out, config, False)
+        return [
+            ("config", config, self.config),
+            ("step", counter, self.step),
+            ("out", out, self.out),
+        ]

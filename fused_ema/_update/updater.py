@@ -271,6 +271,11 @@ class Updater:
         model = self.binding.model_ref()
         if model is None:
             raise RuntimeError("fused_ema: the model this EMA follows no longer exists")
+        plan = self.binding.plan
+        if plan is not None and not plan.snapshot and _C.walk_matches(values, plan.refs):
+            # The program handed over the model's own tensors (none of them computed anew in
+            # the graph): the eager update, prepared, averages the very same values.
+            values = None
         self.update(ema, model, step, False, values)
 
     def synchronize(self) -> None:
@@ -297,14 +302,14 @@ class Updater:
         """ModelEma.swapped(): the EMA weights in `model`'s own tensors for the block."""
         pairs = self.binding.pairs_with(model)
         check_writable(pairs)
-        swap = Swap(pairs)
-        swap.swap_in()
-        self.swapped = True
+        swap = Swap(pairs)  # prepared: nothing written yet
         try:
+            swap.swap_in()  # one call, or a collective then one call (ModelEma(shard=...))
+            self.swapped = True
             yield model
         finally:
-            # Finished even if an interrupt lands in it: swap_out resumes where it stopped, and
-            # the interrupt propagates once the model and the EMA hold their own values again.
+            # Finished even if an interrupt lands in it: swap_out may be called again, and the
+            # interrupt propagates once the model and the EMA hold their own values again.
             interrupt = None
             while True:
                 try:
