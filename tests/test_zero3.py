@@ -108,6 +108,14 @@ def test_a_non_blocking_update_averages_as_a_blocking_one(ranks):
         assert r["deferred_equal"], f"rank {rank}: the non_blocking EMA differs"
 
 
+def test_copy_names_copy_partitions_blocking_non_blocking_and_prepared(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["copies_equal"] == [True, True], f"rank {rank}: {r['copies_equal']}"
+        # 100 updates of an unchanged model and one after its partitions changed in place: each
+        # the one prepared call, which copied the partitions as they were then
+        assert r["copy_prepared"] == {"runs": 101, "followed": True}, f"rank {rank}"
+
+
 def test_the_engine_itself_is_unwrapped_to_its_module(ranks):
     assert all(r["unwraps"] for r in ranks)
 

@@ -135,23 +135,23 @@ class EntryPolicy:
         return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
 
     def _zero3_entry(self, tracked: Tracked) -> Entry:
-        """The EMA of a ZeRO-3 parameter: this rank's valid partition elements, flat (1-D), as
-        the policy's dtype on its device (by default the partition's device)."""
+        """The EMA of a ZeRO-3 parameter: this rank's valid partition elements, flat (1-D), on
+        the policy's device (by default the partition's device); averaged in the policy's dtype,
+        or copied (copy_names) in the parameter's own."""
         if self.shard is not None:
             raise ValueError(
                 f"fused_ema: {tracked.name} is partitioned by DeepSpeed ZeRO-3, and the EMA of a "
                 "ZeRO-3 model is partitioned with it: build it without shard="
             )
         part = zero3.partition(tracked.tensor).detach()
-        if not self.averages(part, tracked.kind, tracked.names):
-            raise NotImplementedError(
-                f"fused_ema: copy_names matches {tracked.name}, a ZeRO-3 parameter; copying "
-                "partitions instead of averaging them is not supported yet"
-            )
-        dtype = self.dtype or (torch.float64 if part.dtype == torch.float64 else torch.float32)
+        average = self.averages(part, tracked.kind, tracked.names)
+        if not average:
+            dtype = part.dtype
+        else:
+            dtype = self.dtype or (torch.float64 if part.dtype == torch.float64 else torch.float32)
         device = self.device if self.device is not None else part.device
         ema = nn.Parameter(part.to(device=device, dtype=dtype, copy=True), requires_grad=False)
-        return Entry(list(tracked.names), tracked.kind, ema, True, weakref.ref(tracked.tensor))
+        return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
 
 
 @dataclass

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .._dist.dtensor import is_dtensor
-from .._dist.zero3 import base
+from .._dist.zero3 import base, is_zero3
 from .._ext.loader import _C
-from .plan import UpdatePlan
+from .plan import UpdatePlan, copied
 
 # How a run moves the step counters (csrc/prepared_update.h's StepMode).
 ADVANCE, SET, KEEP = 0, 1, 2
@@ -69,7 +69,7 @@ class Prepared:
             self._add_group(group, schedules, walk)
         for copies in plan.copies.values():
             torch.ops.fused_ema.prepared_add_copies(
-                self.handle, copies.ema, [walk[i] for i in copies.index], False
+                self.handle, copies.ema, [copied(walk[i]) for i in copies.index], False
             )
 
     def _add_group(self, group, schedules: list, walk: list) -> None:
@@ -152,7 +152,8 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
 
 def _indices(plan: UpdatePlan, walk: list, kind: str = "cuts") -> list:
     """The walk indices of the sources that are whole tensors ("plain"), DTensor shards ("shards")
-    or rows of a replica ("cuts"), staged ones included."""
+    or rows of a replica or a ZeRO-3 partition ("cuts", copied partitions too), staged ones
+    included."""
     out = []
     for group in plan.groups.values():
         whole = [i for i, cut in group.staged if cut is None]
@@ -163,6 +164,8 @@ def _indices(plan: UpdatePlan, walk: list, kind: str = "cuts") -> list:
         else:
             out += [i for i, *_ in group.cuts]
             out += [i for i, cut in group.staged if cut is not None]
+    if kind == "cuts":  # copied ZeRO-3 partitions: views of their partition too
+        out += [i for c in plan.copies.values() for i in c.index if is_zero3(walk[i])]
     return out
 
 

@@ -111,6 +111,8 @@ def train(out: Path, rank: int) -> dict:
     mirror.load_state_dict({**full, "shift": module.shift}, strict=True)
     sr_mirror = fused_ema.ModelEma(mirror, decay=DECAY, dtype=torch.bfloat16)
     deferred = fused_ema.ModelEma(module, decay=DECAY)  # non_blocking: the worker thread averages
+    # copy_names: b's partitions (b.bias persistent) copied, not averaged; blocking and non_blocking
+    copying = [fused_ema.ModelEma(module, decay=DECAY, copy_names="b") for _ in range(2)]
     # K tracks from one read (lerp_many_) and BEMA's three lists (bema_), each against the same
     # kind on the unsharded mirror: the partitions must equal its slices bit for bit.
     sets = [
@@ -136,6 +138,9 @@ def train(out: Path, rank: int) -> dict:
                 tracked.update(module)
             deferred.update(module, non_blocking=True)
             deferred.synchronize()
+            copying[0].update(module)
+            copying[1].update(module, non_blocking=True)
+            copying[1].synchronize()
         collectives += counter.calls
         dispatched += comm.get_total_counts()
         full = gathered(module)
@@ -173,6 +178,7 @@ def train(out: Path, rank: int) -> dict:
             for n, v in weights.items()
         },
     )
+    copies_equal = [_copies_equal(module, c, weights) for c in copying]
     sr_weights = sr_ema.state_dict()["weights"]
     sr_full = sr_mirror.state_dict()["weights"]
     params = dict(module.named_parameters())
@@ -193,11 +199,13 @@ def train(out: Path, rank: int) -> dict:
 
     # 100 more updates: still no collective. Outside CommDebugMode (a dispatch mode, which the
     # prepared update steps aside for) they run as one prepared call each, the steady state.
-    runs = _prepared_runs(ema)
+    runs, copy_runs = _prepared_runs(ema), _prepared_runs(copying[0])
     with Counter() as counter:
         for _ in range(100):
             ema.update(module)
+            copying[0].update(module)
         dist.all_reduce(torch.zeros(1))  # one on purpose: the counters do see collectives
+    copy_prepared = _copied_partitions_follow(module, copying[0], copy_runs)
     reference6 = {n: v.clone() for n, v in reference.items()}  # sr_ema's: it stopped at step 6
     for _ in range(100):  # the model did not change: the same toward the same values
         for name, value in current.items():
@@ -214,6 +222,8 @@ def train(out: Path, rank: int) -> dict:
         "unwraps": unwraps,
         "tracks_equal": tracks_equal,
         "deferred_equal": deferred_equal,
+        "copies_equal": copies_equal,
+        "copy_prepared": copy_prepared,
         "copied": copied,
         "mismatch": mismatch,
         "full": full,
@@ -529,6 +539,33 @@ def _weights(ema) -> list[dict]:
     """Clones of the weights of an EMA's tracks (one for a ModelEma)."""
     tracks = list(getattr(ema, "_tracks", (ema,)))
     return [{n: v.clone() for n, v in t.state_dict()["weights"].items()} for t in tracks]
+
+
+def _copies_equal(module, copying, averaged: dict) -> bool:
+    """Whether `copying` (copy_names="b") holds b's valid partitions as they are and averaged the
+    rest exactly as the EMA `averaged` (weights by name) did."""
+    params = dict(module.named_parameters())
+    return all(
+        torch.equal(v, zero3.partition(params[n]))
+        if n.startswith("b.")
+        else torch.equal(v, averaged[n])
+        for n, v in copying.state_dict()["weights"].items()
+    )
+
+
+def _copied_partitions_follow(module, copying, runs_before: int) -> dict:
+    """101 prepared updates of `copying`: 100 on an unchanged model, then one after b's partitions
+    changed in place (put back after: the later checks use the trained model)."""
+    parts = [zero3.partition(p) for p in (module.b.weight, module.b.bias)]
+    saved = [t.clone() for t in parts]
+    for t in parts:
+        t.add_(0.5)
+    copying.update(module)
+    weights = copying.state_dict()["weights"]
+    followed = all(torch.equal(weights[n], t) for n, t in zip(("b.weight", "b.bias"), parts))
+    for t, value in zip(parts, saved):
+        t.copy_(value)
+    return {"runs": _prepared_runs(copying) - runs_before, "followed": followed}
 
 
 def _prepared_runs(ema) -> int:
