@@ -380,7 +380,11 @@ def prepare_load(
             continue
         bound = entry.bound()
         partitioned = bound is not None and zero3.is_zero3(bound)
-        if partitioned and isinstance(tensor, torch.Tensor) and tensor.shape == bound.ds_shape:
+        if (
+            partitioned
+            and isinstance(tensor, torch.Tensor)
+            and tensor.shape == bound.ds_shape != entry.ema.shape  # the EMA holds a slice
+        ):
             tensor = zero3.take_partition(tensor, bound)  # a whole (unsharded) checkpoint's value
         first = covered.setdefault(id(entry), (name, tensor))
         problem = tensor_problem(name, tensor, entry.ema)

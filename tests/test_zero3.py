@@ -159,6 +159,16 @@ def test_accelerate_bf16_engine_gets_a_float32_ema_of_its_bf16_partitions(tmp_pa
         assert r["error"] <= 1e-6, f"rank {rank}: {r}"
 
 
+def test_an_ema_built_before_deepspeed_initialize_keeps_each_ranks_slice(tmp_path):
+    ranks = launch.torchrun(WORKER, "before_init", tmp_path, 2)
+    for rank, r in enumerate(ranks):
+        # swapped() before the first update: refused, naming the partitioning, nothing changed
+        assert r["refused"], f"rank {rank}"
+        # updated, resynced, loaded whole, and a PostHocEma: equal to twins built after
+        assert r["equal"] == [True] * 4, f"rank {rank}: {r['equal']}"
+        assert r["sliced"] and r["collectives"] == 0, f"rank {rank}: {r}"
+
+
 def test_a_structure_change_is_refused_with_nothing_changed_then_followed_on_resync(ranks):
     for r in ranks:
         assert r["mismatch"] == {"refused": True, "followed": True}

@@ -163,6 +163,9 @@ class Changes:
     renamed: list = field(default_factory=list)  # "old -> new": the same tensor under a new name
     reshaped: list = field(default_factory=list)
     replaced: list = field(default_factory=list)  # a parameter name now holds another tensor
+    # Parameters that DeepSpeed ZeRO-3 partitioned after the EMA was built (deepspeed.initialize
+    # or accelerator.prepare after ModelEma(model)): not a change, the EMA follows them as is.
+    partitioned: list = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.renamed or self.reshaped or self.replaced)
@@ -172,6 +175,14 @@ def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
     if zero3.is_zero3(t):
         return zero3.same_layout(entry.ema, t)
     return same_layout(entry.ema, t)
+
+
+def _layout_change(entry: Entry, t: torch.Tensor) -> str:
+    """How an entry whose layout no longer fits `t` differs: "partitioned" when it holds the whole
+    EMA of a parameter that ZeRO-3 has partitioned since (each rank keeps its slice of it), else
+    "reshaped"."""
+    whole = zero3.is_zero3(t) and not entry.ema.is_meta and entry.ema.shape == t.ds_shape
+    return "partitioned" if whole else "reshaped"
 
 
 class EntryTable:
@@ -189,7 +200,8 @@ class EntryTable:
         """Pairs every model tensor with an entry: the entry bound to that very tensor object
         first (whatever its name now), then an unclaimed entry of the same name, kind and shape.
         Each pair carries how it was found: "same", "renamed", "reshaped" (same object, new
-        shape), "replaced" (by name), "untied" (by name, entry already claimed) or "new"."""
+        shape), "partitioned" (by ZeRO-3 since), "replaced" (by name), "untied" (by name, entry
+        already claimed) or "new"."""
         by_object = {}
         for e in self.entries:
             bound = e.bound()
@@ -203,7 +215,7 @@ class EntryTable:
                 continue
             claimed[id(e)] = t.names
             if not _same_layout(e, t.tensor) or (e.ema.is_meta and not t.tensor.is_meta):
-                found[k] = (e, "reshaped")
+                found[k] = (e, _layout_change(e, t.tensor))
             elif set(t.names) != set(e.names):
                 found[k] = (e, "renamed")
             else:
@@ -218,7 +230,7 @@ class EntryTable:
                 if id(e) in claimed and not set(claimed[id(e)]) & set(e.names):
                     continue  # its tensor moved to another name: this one is new
                 if not _same_layout(e, t.tensor) or (e.ema.is_meta and not t.tensor.is_meta):
-                    found[k] = (e, "reshaped")
+                    found[k] = (e, _layout_change(e, t.tensor))
                 elif id(e) in claimed:
                     found[k] = (e, "untied")
                 elif e.bound is unbound:
@@ -246,6 +258,8 @@ class EntryTable:
             elif how == "reshaped":
                 shape = "meta" if e.ema.is_meta else list(e.ema.shape)
                 out.reshaped.append(f"{t.name} (EMA {shape}, model {list(t.tensor.shape)})")
+            elif how == "partitioned":
+                out.partitioned += t.names
             elif how in ("replaced", "untied") and t.kind == PARAM:
                 out.replaced += [n for n in t.names if n in e.names] or t.names[:1]
                 extra = [n for n in t.names if n not in e.names]
@@ -261,15 +275,20 @@ class EntryTable:
     def followed(self, tracked: list[Tracked], policy: EntryPolicy) -> EntryTable:
         """A table that follows `tracked` (ema.resync): matched entries keep their average under
         the tensor's current names, reshaped and new tensors start from the model, an untied
-        weight starts from a copy of the average it shared, and removed entries go."""
+        weight starts from a copy of the average it shared, a parameter ZeRO-3 partitioned keeps
+        this rank's slice of its average (every rank holds the whole one: no collective), and
+        removed entries go."""
         entries = []
         for t, e, how in self.match(tracked):
             if how in ("new", "reshaped"):
                 entries.append(policy.new_entry(t, meta_ok=True))
                 continue
             ema = e.ema
-            if how == "untied":
-                data = ema.detach().clone()
+            if how in ("untied", "partitioned"):
+                data = ema.detach()
+                if how == "partitioned":
+                    data = zero3.take_partition(data, t.tensor)
+                data = data.clone()
                 ema = nn.Parameter(data, requires_grad=False) if t.kind == PARAM else data
             entries.append(Entry(list(t.names), t.kind, ema, e.average, weakref.ref(t.tensor)))
         return EntryTable(entries)

@@ -124,6 +124,8 @@ class Binding:
                     hint=_RESYNC_HINT,
                 )
             table = self._followed(tracked)
+        elif changes.partitioned:  # by ZeRO-3 since the EMA was built: each rank keeps its slice
+            table = self._followed(tracked)
         plan, undo = self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
         plan.remember(model, walk, self.with_buffers)
         return plan, undo
@@ -193,6 +195,13 @@ class Binding:
                 changes.reshaped,
                 renamed=changes.renamed,
                 hint="Call ema.resync(model) first.",
+            )
+        if changes.partitioned:
+            raise RuntimeError(
+                f"fused_ema: DeepSpeed ZeRO-3 has partitioned {changes.partitioned[0]} (and "
+                f"{len(changes.partitioned) - 1} more) since this EMA was built from the whole "
+                "model: call ema.update(model) or ema.resync(model) first, after which each rank "
+                "keeps its slice of the EMA"
             )
         current = {name: t.tensor for t in tracked for name in t.names}
         return [(e.name, e.ema, current[e.name]) for e in self.table.entries]

@@ -242,6 +242,53 @@ def train(out: Path, rank: int) -> dict:
     }
 
 
+def before_init(out: Path, rank: int) -> dict:
+    """EMAs built from the whole model before deepspeed.initialize partitions it (the order of
+    accelerate scripts), against twins built after: each rank keeps its slice of the whole EMA at
+    the first update (or resync), with no collective, then averages as the twins do."""
+    torch.manual_seed(0)
+    net = Net()
+    early = [fused_ema.ModelEma(net, decay=DECAY) for _ in range(3)]  # updated, resynced, loaded
+    early_posthoc = fused_ema.PostHocEma(net)
+    whole = early[2].state_dict()
+    engine, *_ = deepspeed.initialize(model=net, config=CONFIG)
+    module = engine.module
+    twin, twin_posthoc = fused_ema.ModelEma(module, decay=DECAY), fused_ema.PostHocEma(module)
+    try:
+        with early[0].swapped(module):
+            pass
+        refused = False
+    except RuntimeError as err:
+        refused = "partitioned" in str(err) and early[0].state_dict()["weights"].keys() == {
+            n for n, _ in net.named_parameters()
+        } | {"shift"}
+    early[1].resync(module)
+    early[2].load_state_dict(whole)  # whole values into whole tensors: sliced at the update
+    collectives = 0
+    for step in range(1, 4):
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * step + rank))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        with Counter() as counter:
+            for ema in (*early, early_posthoc, twin, twin_posthoc):
+                ema.update(module)
+        collectives += counter.calls
+    mine = [_weights(ema) for ema in (*early, early_posthoc)]
+    theirs = [_weights(twin)] * 3 + [_weights(twin_posthoc)]
+    return {
+        "refused": refused,
+        "equal": [
+            all(a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a) for a, b in pairs)
+            for pairs in (zip(m, t, strict=True) for m, t in zip(mine, theirs))
+        ],
+        "sliced": all(
+            early[0].state_dict()["weights"][n].shape == (zero3.valid_numel(p),)
+            for n, p in module.named_parameters()
+        ),
+        "collectives": collectives,
+    }
+
+
 def _scheduled(model):
     return fused_ema.ModelEma(model, decay=DECAY, warmup=True, update_every=2)
 
@@ -587,7 +634,12 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
     rank = int(os.environ["RANK"])
     try:
-        scenarios = {"train": train, "trainer": trainer, "accelerate_bf16": accelerate_bf16}
+        scenarios = {
+            "train": train,
+            "trainer": trainer,
+            "accelerate_bf16": accelerate_bf16,
+            "before_init": before_init,
+        }
         result = scenarios[scenario](out, rank)
         dist.barrier()
     finally:
