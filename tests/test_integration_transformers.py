@@ -1,5 +1,5 @@
 """fused_ema.integrations.transformers with the real Hugging Face Trainer, and ModelEma under
-accelerate's register_for_checkpointing: one EMA update per optimizer step (also with gradient
+accelerate's register_for_checkpointing (itself and through WholeCheckpoint): one EMA update per optimizer step (also with gradient
 accumulation), ema.pt in every checkpoint folder, resumed runs bit-identical to straight ones,
 evaluation and prediction on the EMA weights. The reference is torch's lerp over the weights
 recorded after each optimizer step (tests/integration_reference.py)."""
@@ -23,6 +23,7 @@ except ImportError as err:  # not installed, or an install that failed part-way
         allow_module_level=True,
     )
 import fused_ema  # noqa: E402
+from fused_ema.integrations.accelerate import WholeCheckpoint  # noqa: E402
 from fused_ema.integrations.transformers import (  # noqa: E402
     EMA_FILE,
     EMACallback,
@@ -224,7 +225,8 @@ def test_bad_arguments_are_refused_at_construction():
         EMACallback(decay=0.9, ema=fused_ema.ModelEma(nn.Linear(2, 2)))
 
 
-def test_accelerate_register_for_checkpointing_round_trip(tmp_path):
+@pytest.mark.parametrize("registered", ["ema", "WholeCheckpoint(ema)"])
+def test_accelerate_register_for_checkpointing_round_trip(tmp_path, registered):
     try:
         import accelerate
     except ImportError as err:
@@ -236,7 +238,8 @@ def test_accelerate_register_for_checkpointing_round_trip(tmp_path):
     ema = fused_ema.ModelEma(model, decay=DECAY)
     accelerator = accelerate.Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(ema)
+    # WholeCheckpoint gathers ZeRO-3 partitions (tests/test_zero3.py); here it is the EMA's own
+    accelerator.register_for_checkpointing(ema if registered == "ema" else WholeCheckpoint(ema))
     data = Data(1)
 
     def train(steps):
@@ -260,9 +263,14 @@ def test_accelerate_register_for_checkpointing_round_trip(tmp_path):
     assert_same(ema.state_dict()["weights"], after_five, "EMA continued after load_state")
 
 
+def test_whole_checkpoint_wraps_only_an_ema():
+    with pytest.raises(TypeError, match="WholeCheckpoint wraps a fused_ema.ModelEma"):
+        WholeCheckpoint(nn.Linear(2, 2).weight)
+
+
 def test_importing_fused_ema_imports_no_framework():
     code = (
-        "import sys, fused_ema, fused_ema.integrations; "
+        "import sys, fused_ema, fused_ema.integrations, fused_ema.integrations.accelerate; "
         "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') "
         "if m in sys.modules]; assert not bad, bad"
     )

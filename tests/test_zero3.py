@@ -157,6 +157,8 @@ def test_accelerate_bf16_engine_gets_a_float32_ema_of_its_bf16_partitions(tmp_pa
         assert r["dtypes"] == ["torch.bfloat16", "torch.float32"], r
         assert r["staged"] is False, f"rank {rank}: the bf16 partitions were copied first"
         assert r["error"] <= 1e-6, f"rank {rank}: {r}"
+        # save_state / load_state with WholeCheckpoint(ema) registered: each rank's partitions back
+        assert r["checkpointed"] == {"moved": True, "restored": True, "step": True}, rank
 
 
 def test_an_ema_built_before_deepspeed_initialize_keeps_each_ranks_slice(tmp_path):

@@ -1,5 +1,6 @@
-"""Framework callbacks for ModelEma: `fused_ema.integrations.lightning` (a Lightning Callback) and
-`fused_ema.integrations.transformers` (a Hugging Face TrainerCallback and its helpers).
+"""Framework integrations of ModelEma: `fused_ema.integrations.lightning` (a Lightning Callback),
+`fused_ema.integrations.transformers` (a Hugging Face TrainerCallback and its helpers) and
+`fused_ema.integrations.accelerate` (checkpointing through accelerate, DeepSpeed ZeRO-3 included).
 
 Nothing here is imported by `import fused_ema`: each submodule imports its framework only when it
 is itself imported, so fused_ema never needs lightning or transformers installed.
@@ -7,7 +8,7 @@ is itself imported, so fused_ema never needs lightning or transformers installed
 
 import importlib
 
-__all__ = ["lightning", "transformers"]
+__all__ = ["accelerate", "lightning", "transformers"]
 
 
 def __getattr__(name: str):

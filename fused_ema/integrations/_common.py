@@ -1,4 +1,5 @@
-"""What both framework callbacks share: the ModelEma keyword check at construction."""
+"""What the framework integrations share: the ModelEma keyword check at construction, and an
+EMA's state dict with DeepSpeed ZeRO-3 partitions gathered whole."""
 
 from __future__ import annotations
 
@@ -30,3 +31,19 @@ def check_ema_arguments(ema, decay, ema_kwargs: dict) -> dict:
         warnings.simplefilter("ignore")
         ModelEma(nn.Linear(1, 1, bias=False, dtype=torch.float32), **probe)
     return kwargs
+
+
+def whole_state_dict(ema) -> dict:
+    """ema.state_dict(), with the weights of each EMA that a DeepSpeed ZeRO-3 model partitions over
+    the ranks gathered whole (every process must call this); any rank then loads it, each taking
+    its partition."""
+    state = ema.state_dict()
+    tracks = list(getattr(ema, "_tracks", (ema,)))
+    if not any(t._binding.zero3() for t in tracks):
+        return state
+    whole = [t.full_state_dict(rank=None) for t in tracks]
+    if "emas" in state:  # PostHocEma / Bema: one state dict per track
+        state["emas"] = [{**sd, "weights": w} for sd, w in zip(state["emas"], whole)]
+    else:
+        state["weights"] = whole[0]
+    return state

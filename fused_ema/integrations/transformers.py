@@ -21,7 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..bema import Bema, check_bema_options
 from ..checkpoint import atomic_write
 from ..ema import ModelEma
-from ._common import check_ema_arguments
+from ._common import check_ema_arguments, whole_state_dict
 
 __all__ = [
     "BEMACallback",
@@ -139,7 +139,7 @@ class EMACallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         """Called after the Trainer wrote `checkpoint-<global_step>` (process 0 writes ema.pt;
         under DeepSpeed ZeRO-3 every process first joins in gathering the EMA whole)."""
-        checkpoint = _whole_state_dict(self.ema)
+        checkpoint = whole_state_dict(self.ema)
         if not args.should_save:
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
@@ -155,22 +155,6 @@ class EMACallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.copy_to_model_at_end:
             self.ema.copy_to(model)
-
-
-def _whole_state_dict(ema) -> dict:
-    """ema.state_dict(), with the weights of each EMA that a DeepSpeed ZeRO-3 model partitions over
-    the ranks gathered whole (every process must call this); any rank then loads it, each taking
-    its partition."""
-    state = ema.state_dict()
-    tracks = list(getattr(ema, "_tracks", (ema,)))
-    if not any(t._binding.zero3() for t in tracks):
-        return state
-    whole = [t.full_state_dict(rank=None) for t in tracks]
-    if "emas" in state:  # PostHocEma / Bema: one state dict per track
-        state["emas"] = [{**sd, "weights": w} for sd, w in zip(state["emas"], whole)]
-    else:
-        state["weights"] = whole[0]
-    return state
 
 
 class BEMACallback(EMACallback):

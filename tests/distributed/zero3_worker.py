@@ -568,6 +568,7 @@ def accelerate_bf16(out: Path, rank: int) -> dict:
     weights = ema.state_dict()["weights"]
     params = dict(module.named_parameters())
     return {
+        "checkpointed": _accelerate_checkpoint(accelerator, model, ema, out / "accelerate"),
         "engine": type(model).__name__,
         "dtypes": sorted({str(p.ds_tensor.dtype) for p in params.values()})
         + sorted({str(v.dtype) for v in weights.values()}),
@@ -579,6 +580,26 @@ def accelerate_bf16(out: Path, rank: int) -> dict:
             for n, v in weights.items()
             if v.numel()
         ),
+    }
+
+
+def _accelerate_checkpoint(accelerator, model, ema, folder: Path) -> dict:
+    """accelerate's save_state / load_state with the EMA registered through WholeCheckpoint: the
+    main process writes it whole, and each rank loads its own partitions back exactly."""
+    from fused_ema.integrations.accelerate import WholeCheckpoint
+
+    accelerator.register_for_checkpointing(WholeCheckpoint(ema))
+    accelerator.save_state(str(folder))
+    saved, step = _weights(ema)[0], ema.step
+    ema.update(model)  # the EMA moves on toward the model, its step too
+    moved = _weights(ema)[0]
+    accelerator.load_state(str(folder))
+    restored = _weights(ema)[0]
+    return {
+        "moved": any(not torch.equal(moved[n], saved[n]) for n in saved),
+        "restored": restored.keys() == saved.keys()
+        and all(torch.equal(restored[n], saved[n]) for n in saved),
+        "step": ema.step == step,
     }
 
 
