@@ -198,10 +198,10 @@ class Binding:
             )
         if changes.partitioned:
             raise RuntimeError(
-                f"fused_ema: DeepSpeed ZeRO-3 has partitioned {changes.partitioned[0]} (and "
-                f"{len(changes.partitioned) - 1} more) since this EMA was built from the whole "
-                "model: call ema.update(model) or ema.resync(model) first, after which each rank "
-                "keeps its slice of the EMA"
+                f"fused_ema: DeepSpeed ZeRO-3 has partitioned {len(changes.partitioned)} "
+                f"parameters (e.g. {changes.partitioned[0]}) since this EMA was built from the "
+                "whole model: call ema.update(model) or ema.resync(model) first, after which each "
+                "rank keeps its slice of the EMA"
             )
         current = {name: t.tensor for t in tracked for name in t.names}
         return [(e.name, e.ema, current[e.name]) for e in self.table.entries]
