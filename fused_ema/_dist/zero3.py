@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .dtensor import local
+
 
 def is_zero3(t) -> bool:
     """Whether `t` is a parameter partitioned by ZeRO-3 (deepspeed.zero.Init or stage 3). Checked
@@ -46,6 +48,12 @@ def base(t: torch.Tensor) -> torch.Tensor:
 def partition(p) -> torch.Tensor:
     """This rank's valid partition elements of `p`: a view, live through optimizer steps."""
     return p.ds_tensor.narrow(*cut(p))
+
+
+def copied(t: torch.Tensor) -> torch.Tensor:
+    """What an unaveraged EMA entry copies of model tensor `t`: a ZeRO-3 parameter's valid
+    partition, else its local shard (`t` itself unless a DTensor)."""
+    return partition(t) if is_zero3(t) else local(t)
 
 
 def same_layout(ema: torch.Tensor, p) -> bool:

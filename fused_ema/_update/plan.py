@@ -184,7 +184,7 @@ class UpdatePlan:
             ema, src = local(entry.ema), local(walk[index])
             snap = snapshot and ema.device.type == "cpu"
             if not entry.average:
-                src = copied(walk[index])
+                src = zero3.copied(walk[index])
                 group = self.copies.setdefault((ema.device, src.device, snap), CopyGroup())
                 group.ema.append(ema)
                 group.index.append(index)
@@ -359,7 +359,7 @@ class UpdatePlan:
             if not c.staging
         ]
         pairs = [pair for g in later for pair in g.staged_copies(walk)]
-        pairs += [(v, copied(walk[i])) for c in snapped for v, i in zip(c.staging, c.index)]
+        pairs += [(v, zero3.copied(walk[i])) for c in snapped for v, i in zip(c.staging, c.index)]
         if pairs:
             events = runner.issue_copies(pairs)
             later_writes = [(lambda g=g: g.lerp(g.staging, weight, step), g.ema[0]) for g in later]
@@ -393,7 +393,7 @@ class UpdatePlan:
 
     @staticmethod
     def _copy(group: CopyGroup, values: list) -> None:
-        torch._foreach_copy_(group.ema, [copied(values[i]) for i in group.index])
+        torch._foreach_copy_(group.ema, [zero3.copied(values[i]) for i in group.index])
 
 
 _ROUNDED = (torch.bfloat16, torch.float16)
@@ -419,12 +419,6 @@ def _part(t: torch.Tensor, cut) -> torch.Tensor:
     """What an EMA tensor averages of model tensor `t`: its local shard, or its rows `cut` (of
     its partition, for a ZeRO-3 parameter)."""
     return local(t) if cut is None else zero3.base(t).narrow(*cut)
-
-
-def copied(t: torch.Tensor) -> torch.Tensor:
-    """What an unaveraged entry copies of model tensor `t`: its local shard, or the valid
-    partition of a ZeRO-3 parameter."""
-    return zero3.partition(t) if zero3.is_zero3(t) else local(t)
 
 
 def _run_to_the_end(writes: list) -> None:

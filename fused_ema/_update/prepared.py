@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .._dist.dtensor import is_dtensor
-from .._dist.zero3 import base, is_zero3
+from .._dist.zero3 import base, copied, is_zero3
 from .._ext.loader import _C
-from .plan import UpdatePlan, copied
+from .plan import UpdatePlan
 
 # How a run moves the step counters (csrc/prepared_update.h's StepMode).
 ADVANCE, SET, KEEP = 0, 1, 2
