@@ -1,8 +1,9 @@
 """fused_ema.integrations.transformers with the real Hugging Face Trainer, and ModelEma under
-accelerate's register_for_checkpointing (itself and through WholeCheckpoint): one EMA update per optimizer step (also with gradient
-accumulation), ema.pt in every checkpoint folder, resumed runs bit-identical to straight ones,
-evaluation and prediction on the EMA weights. The reference is torch's lerp over the weights
-recorded after each optimizer step (tests/integration_reference.py)."""
+accelerate's register_for_checkpointing (itself and through WholeCheckpoint): one EMA update per
+optimizer step (also with gradient accumulation), ema.pt in every checkpoint folder, resumed runs
+bit-identical to straight ones, evaluation and prediction on the EMA weights. The reference is
+torch's lerp over the weights recorded after each optimizer step (tests/integration_reference.py).
+"""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fused_ema import _C
-from fused_ema._model.walk import tensor_walk
-from fused_ema._update.plan import walk_agrees, walk_signature
+from fused_ema._model.walk import tensor_walk, walk_agrees
+from fused_ema._update.plan import walk_signature
 
 
 def reference_walk(model: nn.Module, with_buffers: bool) -> list:

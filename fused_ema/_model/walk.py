@@ -146,3 +146,15 @@ def tensor_walk(model: nn.Module, with_buffers: bool = True) -> list:
             extend([b for n, b in buffers.items() if n not in skip] if skip else buffers.values())
         push([m for m in reversed(module._modules.values()) if m is not None])
     return out
+
+
+def walk_agrees(values: list, walk: list) -> bool:
+    """Whether a compiled program's values line up with the walk: None where it holds None, else a
+    tensor of the item's dtype, layout, device and shape (a program passes plain tensors where the
+    model holds parameters, so the type is left out)."""
+    return len(values) == len(walk) and all(
+        v is t is None
+        or (v is not None and t is not None)
+        and (v.dtype, v.layout, v.device, v.shape) == (t.dtype, t.layout, t.device, t.shape)
+        for v, t in zip(values, walk)
+    )

@@ -39,18 +39,6 @@ def walk_signature(walk: list) -> list:
     return [None if t is None else (type(t), t.dtype, t.layout, t.device, t.shape) for t in walk]
 
 
-def walk_agrees(values: list, walk: list) -> bool:
-    """Whether a compiled program's values line up with the walk: None where it holds None, else a
-    tensor of the item's dtype, layout, device and shape (a program passes plain tensors where the
-    model holds parameters, so the type is left out)."""
-    return len(values) == len(walk) and all(
-        v is t is None
-        or (v is not None and t is not None)
-        and (v.dtype, v.layout, v.device, v.shape) == (t.dtype, t.layout, t.device, t.shape)
-        for v, t in zip(values, walk)
-    )
-
-
 def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
     return (ema_dtype, src_dtype) in SUPPORTED_DTYPE_PAIRS
 

@@ -15,10 +15,9 @@ from .._dist.dtensor import reshard_fsdp
 from .._ext.grad import without_grad
 from .._ext.loader import _C
 from .._model.swap import Swap, check_writable
-from .._model.walk import tensor_walk
+from .._model.walk import tensor_walk, walk_agrees
 from . import prepared as prep
 from .nonblocking import AsyncRunner
-from .plan import walk_agrees
 
 
 class _Declined(Exception):
