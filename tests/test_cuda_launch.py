@@ -10,7 +10,7 @@ import torch
 
 import fused_ema
 from conftest import DTYPE_PAIRS, assert_lerp_close, pair_id, random_tensor
-from fused_ema._ext.testing import cuda_small_params
+from testing_ops import cuda_small_params
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not fused_ema.build_info()["cuda_kernel"],

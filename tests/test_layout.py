@@ -1,7 +1,7 @@
 """The package's layout is its architecture: fused_ema's own imports (every one, function-level
 ones included) form no cycle, each layer imports only the layers below it, every module says its
 job in a docstring, and the compiled module fused_ema._C carries no test-only entry points (they
-are torch.ops.fused_ema_testing, reached through fused_ema._ext.testing)."""
+are torch.ops.fused_ema_testing, reached through tests/testing_ops.py)."""
 
 import ast
 import re
@@ -11,7 +11,7 @@ import torch
 
 import fused_ema
 from fused_ema import _C
-from fused_ema._ext.testing import cuda_small_params
+from testing_ops import cuda_small_params
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fused_ema"
 EXTENSION = "fused_ema._C"  # compiled: imports nothing from the package

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from fused_ema._ext.testing import sr_words
+from testing_ops import sr_words
 
 Z_MAX = 5.0  # one-sided: p about 3e-7 per statistic
 N = 2**20

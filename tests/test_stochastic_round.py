@@ -11,7 +11,7 @@ import sr_reference as ref
 import torch
 from test_cuda_compile import NVCC, ROOT
 
-from fused_ema._ext.testing import sr_words, stochastic_round
+from testing_ops import sr_words, stochastic_round
 
 # splitmix64's published outputs from state 1234567 (its successive states: + the golden gamma).
 SPLITMIX64_KAT = [

@@ -1,12 +1,12 @@
-"""Test-only entry points, kept out of fused_ema._C and torch.ops.fused_ema: the random stream and
-the stochastic rounding of csrc/stochastic_round.h, and the CUDA launch-parameter size switch.
-They are torch.ops.fused_ema_testing.* (csrc/testing/), which loading fused_ema._C registers."""
+"""The test-only ops, kept out of fused_ema._C and torch.ops.fused_ema: the random stream and the
+stochastic rounding of csrc/stochastic_round.h, and the CUDA launch-parameter size switch.
+They are torch.ops.fused_ema_testing.* (csrc/testing/), which importing fused_ema registers."""
 
 from __future__ import annotations
 
 import torch
 
-from . import loader  # noqa: F401  (registers the fused_ema_testing operators)
+import fused_ema  # noqa: F401  (loads fused_ema._C, which registers the fused_ema_testing ops)
 
 _U64 = (1 << 64) - 1
 
