@@ -11,15 +11,16 @@ import torch
 
 from ._dist.dtensor import any_dtensor, shard_lists, shard_offset
 from ._ext.loader import _C
-from ._ext.op_meta import BEMA_LISTS as _BEMA_LISTS
-from ._ext.op_meta import BEMA_OP as _BEMA_OP
-from ._ext.op_meta import MANY_OP as _MANY_OP
-from ._ext.op_meta import SR_OP as _SR_OP
 from ._ext.op_meta import SUPPORTED_DTYPE_PAIRS as SUPPORTED_DTYPE_PAIRS  # public here
-from ._ext.op_meta import weight_type_error as _weight_type_error
 from ._version import __version__
 
 Weight = float | torch.Tensor
+
+# The prefixes of the ops' messages, as C++ writes them too.
+_LERP_OP = "fused_ema.lerp_: "
+_SR_OP = "fused_ema.lerp_stochastic_: "
+_MANY_OP = "fused_ema.lerp_many_: "
+_BEMA_OP = "fused_ema.bema_: "
 
 
 def lerp_(
@@ -38,14 +39,14 @@ def lerp_(
     ema = _tensor_list(ema_tensors, "ema_tensors")
     src = _tensor_list(src_tensors, "src_tensors")
     if len(ema) != len(src):
-        raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
+        raise ValueError(f"{_LERP_OP}ema has {len(ema)} tensors but src has {len(src)}")
     # Numbers go to C++ as they are: it refuses a bool (and a non-finite weight) on every route.
     if isinstance(weight, torch.Tensor):
         op = torch.ops.fused_ema.lerp_.Tensor
     elif isinstance(weight, (float, int)):
         op = torch.ops.fused_ema.lerp_.default
     else:
-        raise TypeError(_weight_type_error(weight))
+        raise TypeError(f"{_LERP_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     if any_dtensor(ema) or any_dtensor(src):
         ema, src = shard_lists(ema, src)
     op(ema, src, weight)
@@ -82,7 +83,7 @@ def lerp_stochastic_(
     ema = _tensor_list(ema_tensors, "ema_tensors")
     src = _tensor_list(src_tensors, "src_tensors")
     if len(ema) != len(src):
-        raise ValueError(f"fused_ema.lerp_: ema has {len(ema)} tensors but src has {len(src)}")
+        raise ValueError(f"{_LERP_OP}ema has {len(ema)} tensors but src has {len(src)}")
     if isinstance(weight, (bool, complex)) or not isinstance(weight, (float, int, torch.Tensor)):
         raise TypeError(f"{_SR_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     if not isinstance(weight, torch.Tensor):
@@ -135,7 +136,7 @@ def lerp_many_(
     """
     src = _tensor_list(src, "src", _MANY_OP)
     tracks = _track_lists(emas, len(src))
-    weights = _track_weights(weights, len(tracks))
+    weights = _weights(weights, len(tracks), _MANY_OP)
     if seed is None:
         if step is not None or keys is not None or offsets is not None:
             raise TypeError(f"{_MANY_OP}step, keys and offsets go with seed (stochastic rounding)")
@@ -150,8 +151,6 @@ def lerp_many_(
         shards = [shard_lists(track, src) for track in tracks]
         tracks, src = [track for track, _ in shards], shards[0][1]
     flat = [t for track in tracks for t in track]
-    if not isinstance(weights, torch.Tensor):
-        weights = torch.tensor(weights, dtype=torch.float64)
     if seed is None:
         torch.ops.fused_ema.lerp_many_(flat, src, weights)
     else:
@@ -169,28 +168,6 @@ def _track_lists(emas, count: int) -> list:
         if len(track) != count:
             raise ValueError(f"{_MANY_OP}emas[{k}] has {len(track)} tensors but src has {count}")
     return tracks
-
-
-def _track_weights(weights, count: int):
-    """K numbers as a list, or a tensor of K elements as it is (C++ checks the rest)."""
-    if isinstance(weights, torch.Tensor):
-        if weights.dim() == 1 and weights.numel() != count:
-            raise ValueError(
-                f"{_MANY_OP}weights has {weights.numel()} elements but emas has {count} tracks"
-            )
-        return weights
-    if not isinstance(weights, (list, tuple)):
-        raise TypeError(
-            f"{_MANY_OP}weights must be a list of K floats or a 1-D tensor, got {_type(weights)}"
-        )
-    if len(weights) != count:
-        raise ValueError(
-            f"{_MANY_OP}weights has {len(weights)} entries but emas has {count} tracks"
-        )
-    for k, w in enumerate(weights):
-        if isinstance(w, bool) or not isinstance(w, (float, int)):
-            raise TypeError(f"{_MANY_OP}weights[{k}] must be a float, got {_type(w)}")
-    return list(weights)
 
 
 def _track_seeds(seed, count: int) -> list:
@@ -220,9 +197,6 @@ def _track_keys(keys, count: int, tensors: int) -> list:
     return flat
 
 
-_BEMA_WEIGHTS = ("beta", "w0", "alpha")
-
-
 def bema_(
     ema: Sequence[torch.Tensor],
     theta0: Sequence[torch.Tensor],
@@ -249,40 +223,41 @@ def bema_(
     CUDA graph). Bad input raises before anything is written.
     """
     src = _tensor_list(src, "src", _BEMA_OP)
-    lists = [
-        _tensor_list(tensors, name, _BEMA_OP)
-        for tensors, name in zip((ema, theta0, out), _BEMA_LISTS)
-    ]
-    for tensors, name in zip(lists, _BEMA_LISTS):
+    names = ("ema", "theta0", "out")
+    lists = [_tensor_list(t, name, _BEMA_OP) for t, name in zip((ema, theta0, out), names)]
+    for tensors, name in zip(lists, names):
         if len(tensors) != len(src):
             raise ValueError(f"{_BEMA_OP}{name} has {len(tensors)} tensors but src has {len(src)}")
-    weights = _bema_weights(weights)
+    weights = _weights(weights, 3, _BEMA_OP, ("beta", "w0", "alpha"))
     if any(any_dtensor(tensors) for tensors in lists) or any_dtensor(src):
         shards = [shard_lists(tensors, src) for tensors in lists]
         lists, src = [tensors for tensors, _ in shards], shards[0][1]
-    if not isinstance(weights, torch.Tensor):
-        weights = torch.tensor(weights, dtype=torch.float64)
     torch.ops.fused_ema.bema_(*lists, src, weights)
 
 
-def _bema_weights(weights):
-    """(beta, w0, alpha) as a list of 3 floats, or a tensor as it is (C++ checks the rest, and
-    that each weight is finite)."""
+def _weights(weights, count: int, op: str, names: tuple = ()) -> torch.Tensor:
+    """lerp_many_'s weights, one per track, or bema_'s three (`names`): numbers as a float64
+    tensor, a tensor as it is (C++ checks its dtype, shape, device and values)."""
     if isinstance(weights, torch.Tensor):
+        if not names and weights.dim() == 1 and weights.numel() != count:
+            raise ValueError(
+                f"{op}weights has {weights.numel()} elements but emas has {count} tracks"
+            )
         return weights
+    floats = f"{count} floats ({', '.join(names)})" if names else "a list of K floats"
     if not isinstance(weights, (list, tuple)):
-        raise TypeError(
-            f"{_BEMA_OP}weights must be 3 floats (beta, w0, alpha) or a 1-D tensor of 3 "
-            f"elements, got {_type(weights)}"
-        )
-    if len(weights) != 3:
+        raise TypeError(f"{op}weights must be {floats} or a 1-D tensor, got {_type(weights)}")
+    if len(weights) != count:
         raise ValueError(
-            f"{_BEMA_OP}weights must be 3 floats (beta, w0, alpha), got {len(weights)}"
+            f"{op}weights must be {floats}, got {len(weights)}"
+            if names
+            else f"{op}weights has {len(weights)} entries but emas has {count} tracks"
         )
-    for name, w in zip(_BEMA_WEIGHTS, weights):
+    for k, w in enumerate(weights):
         if isinstance(w, bool) or not isinstance(w, (float, int)):
-            raise TypeError(f"{_BEMA_OP}weights ({name}) must be a float, got {_type(w)}")
-    return [float(w) for w in weights]
+            name = f" ({names[k]})" if names else ""
+            raise TypeError(f"{op}weights[{k}]{name} must be a float, got {_type(w)}")
+    return torch.tensor([float(w) for w in weights], dtype=torch.float64)
 
 
 def _stochastic_step(step, op: str) -> torch.Tensor:
@@ -310,7 +285,7 @@ def _type(value) -> str:
 
 
 def _tensor_list(
-    tensors: Sequence[torch.Tensor], name: str, op: str = "fused_ema.lerp_: "
+    tensors: Sequence[torch.Tensor], name: str, op: str = _LERP_OP
 ) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         raise TypeError(f"{op}{name} must be a sequence of tensors, not a tensor")

@@ -1,6 +1,6 @@
-"""What the fused ops accept, told from metadata alone: the prefixes of their messages, the dtype
-pairs the kernels support, and the fake kernels that let torch.compile and FakeTensorMode trace
-the ops, each running the C++ kernel's own checks."""
+"""What the fused ops accept, told from metadata alone: the dtype pairs the kernels support, and
+the fake kernels that let torch.compile and FakeTensorMode trace the ops, each running the C++
+kernel's own checks."""
 
 from __future__ import annotations
 
@@ -11,14 +11,6 @@ from .loader import _C
 #: (ema dtype, src dtype) pairs the kernels support; a float32 EMA may follow a 16-bit model.
 #: The list is the C++ one (csrc/dtype_pair_list.h), so the two cannot drift apart.
 SUPPORTED_DTYPE_PAIRS = tuple((getattr(torch, e), getattr(torch, s)) for e, s in _C.DTYPE_PAIRS)
-SR_OP = "fused_ema.lerp_stochastic_: "
-MANY_OP = "fused_ema.lerp_many_: "
-BEMA_OP = "fused_ema.bema_: "
-BEMA_LISTS = ("ema", "theta0", "out")
-
-
-def weight_type_error(weight) -> str:
-    return f"fused_ema.lerp_: weight must be a float or a 0-dim tensor, got {type(weight).__name__}"
 
 
 # The fused ops that write tensors, by overload. Each one's fake kernel runs the C++ kernel's own
