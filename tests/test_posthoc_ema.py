@@ -230,6 +230,10 @@ def test_a_damaged_checkpoint_is_refused_whole_and_changes_nothing():
     wrong_gammas["gammas"] = [1.0, 2.0]
     with pytest.raises(CheckpointError, match="gammas"):
         other.load_state_dict(wrong_gammas)
+    for index in (None, -1, 2.5, True, "3", torch.tensor([1, 2])):
+        wrong_index = {**good, "snapshot_index": index}
+        with pytest.raises(CheckpointError, match="snapshot_index"):
+            other.load_state_dict(wrong_index)
     with pytest.raises(CheckpointError, match="PostHocEma"):
         other.load_state_dict(good["emas"][0])
     for b, e in zip(before, other.emas):

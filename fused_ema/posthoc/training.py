@@ -14,6 +14,7 @@ from torch import nn
 from .._model.walk import unwrap_model
 from .._tracks import TrackSet, same
 from .._update.schedule import POWER_FUNCTION, whole_number
+from ..checkpoint import _as_step
 from ..ema import ModelEma
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
 from .snapshotting import Snapshots
@@ -241,14 +242,10 @@ class PostHocEma(TrackSet):
             problems.append(
                 f"gammas {state.get('gammas')!r}: this PostHocEma tracks {list(self.gammas)}"
             )
-        index = state.get("snapshot_index")  # a one-element integer tensor in a parent's dict
-        if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_meta:
-            if not (index.is_floating_point() or index.is_complex() or index.dtype == torch.bool):
-                index = int(index.reshape(()).item())
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            problems.append(
-                f"snapshot_index {state.get('snapshot_index')!r}: expected a whole number >= 0"
-            )
+        index = state.get("snapshot_index")  # a one-element tensor in a parent's state dict
+        if index is None:
+            problems.append("snapshot_index is missing")
+        _as_step(index, "snapshot_index", problems)
         return problems
 
     def _restore_header(self, state: dict) -> None:
