@@ -120,15 +120,17 @@ class EmaState:
         own, missing, unexpected = nested_state.read(state_dict, prefix, metadata)
         missing_keys.extend(missing)
         unexpected_keys.extend(unexpected)
-        prepared = nested_state.report(
-            lambda own: self.prepare(own, False, source=prefix[:-1] or "the state dict"),
-            own,
-            prefix,
-            missing_keys,
-            unexpected_keys,
-            errors,
-        )
-        return None if missing or unexpected else prepared
+        try:
+            prepared = self.prepare(own, False, source=prefix[:-1] or "the state dict")
+        except CheckpointError as err:
+            errors.extend(f"{prefix[:-1] or 'ModelEma'}: {p}" for p in err.problems)
+            return None
+        result, weights = prepared[0].result, prefix + nested_state.WEIGHTS
+        missing_keys.extend(weights + k for k in result.missing_keys)
+        unexpected_keys.extend(weights + k for k in result.unexpected_keys)
+        errors.extend(weights + problem for problem in prepared[0].problems)
+        found = result.missing_keys or result.unexpected_keys or result.mismatched_keys
+        return None if missing or unexpected or found else prepared
 
     # ------------------------------------------------------------------ the rounding setting
 

@@ -12,7 +12,6 @@ format, schedule, rounding and buffer mode. Without that metadata the EMA keeps 
 from __future__ import annotations
 
 from ..checkpoint import FORMAT, FORMAT_VERSION
-from ..errors import CheckpointError
 
 WEIGHTS = "weights."
 STEP = "step"
@@ -56,21 +55,3 @@ def read(state_dict, prefix: str, local_metadata) -> tuple[dict, list, list]:
     elif meta is not None:
         own["format_version"] = meta  # reported by the parser as a format problem
     return own, missing, unexpected
-
-
-def report(prepare, own: dict, prefix: str, missing, unexpected, errors):
-    """Runs `prepare(own)` (ModelEma's own checks, returning (prepared load, rounding)) and sorts
-    what it finds into the parent's lists. Returns its result, or None when it found anything
-    (the EMA must then stay as it is)."""
-    try:
-        prepared = prepare(own)
-    except CheckpointError as err:
-        errors.extend(f"{prefix[:-1] or 'ModelEma'}: {p}" for p in err.problems)
-        return None
-    result = prepared[0].result
-    missing.extend(prefix + WEIGHTS + k for k in result.missing_keys)
-    unexpected.extend(prefix + WEIGHTS + k for k in result.unexpected_keys)
-    errors.extend(prefix + WEIGHTS + problem for problem in prepared[0].problems)
-    if result.missing_keys or result.unexpected_keys or result.mismatched_keys:
-        return None
-    return prepared
