@@ -1,13 +1,6 @@
-"""fused_ema: fused, device-safe exponential moving averages of PyTorch model weights.
-
-fused_ema.lerp_(ema_tensors, src_tensors, weight)   # ema[i] += weight * (src[i] - ema[i])
-fused_ema.lerp_stochastic_(ema, src, weight, seed=0, step=t)   # bf16/fp16 EMAs: stochastic rounding
-fused_ema.lerp_many_([ema_a, ema_b], src, [w_a, w_b])   # K EMAs, each src read once
-fused_ema.bema_(ema, theta0, out, src, (beta, w0, alpha))   # bias-corrected EMA, one pass
-fused_ema.build_info()                              # what was compiled, and for what
-fused_ema.PostHocEma(model, sigma_rels=(0.05, 0.10))   # post-hoc EMA (fused_ema.posthoc)
-fused_ema.Bema(model, update_freq=400)   # BEMA, the bias-corrected EMA (TRL's BEMACallback)
-"""
+"""fused_ema: fused, device-safe exponential moving averages of PyTorch model weights: ModelEma,
+the fused ops (lerp_, lerp_stochastic_, lerp_many_ for K EMAs, bema_), post-hoc EMA (PostHocEma,
+fused_ema.posthoc), BEMA (Bema) and build_info(). The guides and the API reference: docs/."""
 
 from ._ext.loader import _C  # noqa: F401  (must come before the ops that use it)
 from ._version import __version__

@@ -1,22 +1,7 @@
 """Reading EMA checkpoints: fused_ema's own format and those of the EMA libraries people migrate
-from, so a switch to fused_ema keeps the average a run has built up.
-
-| format          | recognised by                             | weights              | step        |
-|-----------------|-------------------------------------------|----------------------|-------------|
-| fused_ema       | format == "fused_ema.ModelEma"            | weights              | step        |
-| Lightning       | averaging_state + state_dict (EMAWeightAv.)| state_dict          | n_averaged  |
-| timm checkpoint | a state_dict_ema (or model_ema) entry     | by name              | not stored  |
-| AveragedModel   | n_averaged + module.*                     | module.*             | n_averaged  |
-| ema-pytorch     | initted + step + ema_model.*              | ema_model.*          | step        |
-| diffusers       | shadow_params + optimization_step         | parameters, in order | optim. step |
-| diffusers folder| a save_pretrained directory (config.json) | by name              | optim. step |
-| torch_ema       | shadow_params + num_updates               | parameters, in order | num_updates |
-| state dict      | every value a tensor (timm ModelEma/V2/V3)| by name              | not stored  |
-
-Names lose a ``module.`` / ``_orig_mod.`` prefix that every key carries (DDP, torch.compile).
-Without a stored step, the EMA loads as started (see loaded_step). atomic_write is the crash-safe
-write of every file fused_ema writes (snapshots, the posthoc command's output, ema.pt).
-"""
+from (each format and what it is recognised by: docs/checkpoints.md), so a switch to fused_ema
+keeps the average a run has built up. atomic_write is the crash-safe write of every file fused_ema
+writes (snapshots, the posthoc command's output, ema.pt)."""
 
 from __future__ import annotations
 

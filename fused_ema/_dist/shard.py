@@ -1,9 +1,7 @@
-"""ModelEma(shard=...): the EMA of a model replicated across a process group (DDP), sharded. Each
-rank keeps one chunk of every averaged tensor, a Shard(d) DTensor over a 1-D mesh of the group
-(torch.chunk of the first dimension longer than 1, as FSDP2 lays out parameters), so DCP saves and
-reshards it like any DTensor. The chunks are views into one flat buffer per dtype and device, laid
-out alike on every rank, so that one all-gather of a bucket of it gathers many tensors. Also
-ema.full_state_dict() of any EMA (gather_full: these buckets, or a DTensor's all-gather)."""
+"""ModelEma(shard=...): the EMA of a model replicated across a process group (DDP), sharded as FSDP2
+lays out parameters (a Shard(d) DTensor of each averaged tensor, which DCP saves and reshards), its
+chunks views into one flat buffer per dtype and device, laid out alike on every rank, so that one
+all-gather gathers many tensors (docs/distributed.md). Also ema.full_state_dict()'s gather_full."""
 
 from __future__ import annotations
 

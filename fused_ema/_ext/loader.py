@@ -1,8 +1,6 @@
 """Loads the compiled extension fused_ema._C, which registers the torch.ops.fused_ema operators.
-
 A missing or stale build raises an ImportError that says how to build; there is no silent
-pure-PyTorch stand-in.
-"""
+pure-PyTorch stand-in."""
 
 import torch  # noqa: F401  (loads libtorch before the extension that links against it)
 

@@ -1,8 +1,7 @@
-"""Background threads for fused_ema's deferred work (a non_blocking update's CPU half, PostHocEma's
-snapshot writes), handed over with no Python-level lock: each step is one C call (a queue put, a
-lock acquire or release). concurrent.futures' Condition can be left half-released by a signal
-handler raising inside it ("release unlocked lock" on Python 3.11). A job runs at most once: the
-worker or a caller settling an interrupted hand-off claims it with one non-blocking acquire."""
+"""Background threads for deferred work (a non_blocking update's CPU half, PostHocEma's snapshot
+writes), handed over by single C calls (a queue put, a lock acquire or release), never through
+concurrent.futures, whose Condition an interrupt can leave half-released (docs/guarantees.md).
+A job runs at most once: the worker or a caller settling an interrupted hand-off claims it."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The EMA inside a parent module's state dict (a LightningModule attribute, a container): the
-parent's state_dict() recursion writes flat keys under the EMA's prefix and its load_state_dict()
-reads them back, all or nothing, reporting through the parent's missing / unexpected / error
-lists. Layout (every value a tensor, as in any module's state dict):
-
-    {prefix}weights.{name}   the EMA tensor of every tracked name (a tied weight under each)
-    {prefix}step             the step counter (int64)
-
-and, in the state dict's ``_metadata[prefix[:-1]]["fused_ema"]`` (which torch.save keeps), the
-format, schedule, rounding and buffer mode. Without that metadata the EMA keeps its own."""
+"""The EMA inside a parent module's state dict (a LightningModule attribute, a container): tensors
+under the EMA's prefix ({prefix}weights.{name}, {prefix}step), written by the parent's state_dict()
+and read back by its load_state_dict(), all or nothing; the format, schedule, rounding and buffer
+mode go in the state dict's _metadata (docs/checkpoints.md)."""
 
 from __future__ import annotations
 

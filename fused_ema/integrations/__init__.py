@@ -1,10 +1,7 @@
-"""Framework integrations of ModelEma: `fused_ema.integrations.lightning` (a Lightning Callback),
-`fused_ema.integrations.transformers` (a Hugging Face TrainerCallback and its helpers) and
-`fused_ema.integrations.accelerate` (checkpointing through accelerate, DeepSpeed ZeRO-3 included).
-
-Nothing here is imported by `import fused_ema`: each submodule imports its framework only when it
-is itself imported, so fused_ema never needs lightning or transformers installed.
-"""
+"""Framework integrations of ModelEma: `lightning` (a Lightning Callback), `transformers` (a Hugging
+Face TrainerCallback and its helpers) and `accelerate` (checkpointing, DeepSpeed ZeRO-3 included).
+`import fused_ema` imports none of them, and each imports its framework only when it is itself
+imported, so fused_ema never needs lightning or transformers installed."""
 
 import importlib
 

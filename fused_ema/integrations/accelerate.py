@@ -1,10 +1,7 @@
-"""accelerate's checkpointing of an EMA (`accelerator.register_for_checkpointing`) that also holds
-under DeepSpeed ZeRO-3. `save_state()` asks every process for a registered object's state_dict()
-but writes one file, and `load_state()` hands that file to every process; a ZeRO-3 EMA's
-state_dict() holds one rank's partitions, which the other ranks refuse (load_state then fails).
-`WholeCheckpoint(ema)` saves the EMA whole (every process joins the gather that save_state's calls
-make) and gives each process its partition back on load. Without ZeRO-3 it is the EMA's own
-state_dict. Imports nothing of accelerate."""
+"""accelerate's checkpointing of an EMA that also holds under DeepSpeed ZeRO-3, where each rank's
+state_dict() holds its own partitions but save_state() writes one file for all: WholeCheckpoint(ema)
+saves the EMA whole and gives each process its partition back on load (docs/integrations.md).
+Without ZeRO-3 it is the EMA's own state_dict. Imports nothing of accelerate."""
 
 from __future__ import annotations
 

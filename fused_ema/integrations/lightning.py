@@ -1,8 +1,6 @@
 """Lightning callback: a ModelEma of the LightningModule, updated after every optimizer step,
 swapped in for validation/test/predict, saved in Lightning checkpoints and resumed bit for bit.
-
-Needs `lightning` (`lightning.pytorch`); with only `pytorch_lightning` installed, that is used.
-"""
+Needs `lightning` (`lightning.pytorch`); with only `pytorch_lightning` installed, that is used."""
 
 from __future__ import annotations
 

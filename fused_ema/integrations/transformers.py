@@ -1,12 +1,7 @@
-"""Hugging Face Trainer integration: a TrainerCallback keeping a ModelEma (updated after every
-optimizer step, saved as ema.pt in every checkpoint folder, restored on resume), BEMACallback (the
-same for a fused_ema.Bema, with trl.BEMACallback's arguments), and what the Trainer's hooks cannot
-do alone: evaluation on the EMA weights and knowing the resumed folder.
-
-The Trainer has no hook before evaluation and none when it loads a checkpoint, hence
-`EMATrainerMixin` / `EMATrainer` (evaluate and predict on the EMA weights, the resumed folder
-told to the callback) and `ema_weights(trainer)` for a plain Trainer.
-"""
+"""Hugging Face Trainer integration: EMACallback keeps a ModelEma (updated after every optimizer
+step, saved as ema.pt in every checkpoint folder, restored on resume), BEMACallback a Bema. The
+Trainer has no hook before evaluation nor when it loads a checkpoint, hence EMATrainerMixin /
+EMATrainer (evaluation on the EMA, the resumed folder) and ema_weights(trainer)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Post-hoc EMA (EDM2, Karras et al. 2024): snapshots of power-function EMAs saved during training,
-and the EMA of any sigma_rel synthesized from them afterwards.
-
-fused_ema.posthoc.synthesize(snapshot_dir, sigma_rel=0.05)   # dict name -> tensor
-python -m fused_ema.posthoc SNAPSHOT_DIR --sigma-rel 0.05 --out ema.safetensors [--plot fit.png]
-
-profiles.py: sigma_rel <-> gamma, power_beta, the least squares; snapshots.py: the file format
-(written by the training-time tracker, training.py's PostHocEma, through snapshotting.py's
-background thread); synthesis.py; migrate.py: ema-pytorch's PostHocEMA folders.
-"""
+"""Post-hoc EMA (EDM2, Karras et al. 2024): snapshots of power-function EMAs saved during training
+(PostHocEma), and the EMA of any sigma_rel synthesized from them afterwards:
+fused_ema.posthoc.synthesize(snapshot_dir, sigma_rel=0.05), or the command
+python -m fused_ema.posthoc SNAPSHOT_DIR --sigma-rel 0.05 --out ema.safetensors [--plot fit.png]."""
 
 from .migrate import list_ema_pytorch_snapshots
 from .profiles import (

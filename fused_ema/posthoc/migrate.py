@@ -1,19 +1,7 @@
-"""ema-pytorch's PostHocEMA checkpoint folders as snapshots: its files `{ema_index}.{step}.pt`
-(torch.save of KarrasEMA.state_dict(): initted, step, ema_model.<name>, every tensor cast to its
-checkpoint_dtype) listed and opened like fused_ema's own, so synthesize reads both.
-
-What the files lack, the caller supplies or a convention fills in:
-- the tracked EMAs' sigma_rels (or gammas): PostHocEMA keeps them in memory only;
-- the EMA's own dtypes: every tensor, integer buffers included, was cast to checkpoint_dtype, so
-  all are averaged and come back in float32 (or the dtype asked for); load_state_dict casts an
-  integer buffer such as num_batches_tracked back (ema-pytorch never updates those in its EMAs);
-- time: the step of the file name (ema-pytorch's count of update() calls), as ema-pytorch's own
-  synthesize_ema_model uses it. With update_every=1 its k-th update uses EDM2's beta of update
-  k + 1 after a copy, so its profile is EDM2's at t = step + 1 (on a history whose first entry
-  counts twice): an offset of one update that neither side corrects, negligible beside the fit
-  error of any practical snapshot spacing. With update_every > 1 the profile is only roughly a
-  power function of the call count.
-"""
+"""ema-pytorch's PostHocEMA folders as snapshots: its files `{ema_index}.{step}.pt` (torch.save of
+KarrasEMA.state_dict(): initted, step, ema_model.<name>, all cast to checkpoint_dtype) listed and
+opened like fused_ema's own, so synthesize reads both. What they lack (the tracked sigma_rels, the
+dtypes, EDM2's time) the caller supplies or a convention fills in, as docs/posthoc.md says."""
 
 from __future__ import annotations
 
@@ -31,7 +19,7 @@ from .snapshots import SnapshotContents, SnapshotError, SnapshotInfo
 SOURCE = "ema-pytorch"
 NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")
 PREFIX = "ema_model."
-DTYPE = torch.float32  # the dtype of every synthesized tensor (see above)
+DTYPE = torch.float32  # of every synthesized tensor: the files cast all, integer buffers too
 
 
 def list_ema_pytorch_snapshots(

@@ -1,14 +1,7 @@
 """Power-function EMA profiles (EDM2: Karras et al., "Analyzing and Improving the Training Dynamics
-of Diffusion Models", CVPR 2024, sec. 3 and appendix C): exponent gamma <-> relative width
-sigma_rel, the decay of each update, the closed-form inner products of two profiles and the least
-squares that combine snapshots into the profile of another gamma and time. All float64.
-
-After t updates with beta_tau = (1 - 1/tau) ** (gamma + 1) (the first update copies), the
-parameters of update tau carry the weight (tau/t) ** (gamma+1) - ((tau-1)/t) ** (gamma+1): exactly
-the integral over (tau-1, tau] of the profile p_{t,gamma}(s) = (gamma+1)/t * (s/t) ** gamma on
-[0, t]. The continuous formulas below are therefore exact for the discrete EMA, with time counted
-in updates; the coefficients do not depend on the unit of time.
-"""
+of Diffusion Models", CVPR 2024, sec. 3 and appendix C): gamma <-> sigma_rel, each update's decay,
+the closed-form inner products of two profiles (exact for the discrete EMA, time counted in
+updates: docs/posthoc.md) and the least squares that combine snapshots into another. All float64."""
 
 from __future__ import annotations
 

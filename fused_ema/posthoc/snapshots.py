@@ -1,21 +1,7 @@
-"""The post-hoc EMA snapshot format, shared by the writer (PostHocEma) and the readers: one
-safetensors file per (snapshot index, tracked EMA), written crash-safely, and listed from its
-header alone.
-
-    snapshot_dir / f"{index:06d}-ema{k}.safetensors"
-
-index counts snapshots from 0 across the run (resumed runs continue at next_index); k is the EMA's
-position in PostHocEma's sigma_rels. Tensors: the EMA's state by name, floating-point ones in the
-snapshot dtype, the others as they are. Metadata (str -> str): format = FORMAT, step (updates t),
-gamma and sigma_rel (repr of a float), index, ema_index, names (JSON list, in order), dtypes (JSON
-name -> the EMA's own dtype, e.g. "float32"); optional: copied (JSON list of the floating-point
-names the EMA copies from the model rather than averages; synthesis takes them, like the others
-that are not floating-point, from the latest snapshot).
-
-A file with a snapshot's name that is not a valid snapshot (truncated, foreign, metadata that
-disagrees with its name) is an error naming it, never skipped: the crash-safe writer leaves no
-such file, so one means damage, and leaving it out would change every synthesis silently.
-"""
+"""The post-hoc EMA snapshot format (file names, tensors, metadata: docs/posthoc.md), shared by the
+writer (PostHocEma) and the readers: one safetensors file per (snapshot index, tracked EMA). A
+damaged file under a snapshot's name is an error naming it, never skipped: the crash-safe writer
+leaves none, and leaving it out would change every synthesis silently."""
 
 from __future__ import annotations
 

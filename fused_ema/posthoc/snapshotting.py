@@ -1,9 +1,7 @@
-"""When PostHocEma snapshots its EMAs, where to, and how they are written off the training thread:
-the folder checks (a fresh run never overwrites another's snapshots; a resumed one continues its
-numbering), then each snapshot's tensors staged (copied out of the EMA into host tensors of the
-snapshot dtype) and written by the snapshot worker, one crash-safe file per tracked EMA
-(snapshots.py's format). The next update waits only for the staging, never for the disk; an
-error of the worker is raised by the next call."""
+"""When PostHocEma snapshots its EMAs, where to, and how: the folder checks (a fresh run never
+overwrites another's snapshots; a resumed one continues its numbering), then each snapshot staged
+into host tensors of the snapshot dtype and written by the snapshot worker, a crash-safe file per
+tracked EMA. An update waits only for the staging; a worker's error is raised by the next call."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Post-hoc EMA synthesis: the EMA of any sigma_rel (or gamma) at a snapshot's step, as the
-least-squares combination of the snapshots taken up to that step (profiles.py), summed in one
-streaming pass over the files (one open at a time, float64 accumulators: about two model sizes in
-float32 terms, whatever the number of snapshots).
-
-The target step must be one at which snapshots were taken (as EDM2's reconstruct_phema requires):
-between snapshots, nothing records the updates since the last one. Reads fused_ema's snapshot
-folders and ema-pytorch's PostHocEMA folders (migrate.py), told apart by their file names.
-"""
+"""Post-hoc EMA synthesis: the EMA of any sigma_rel (or gamma) at a snapshot step (between snapshots
+nothing records the updates since the last), the least-squares combination of the snapshots up to
+it (profiles.py), summed in one streaming pass: one file open at a time, float64 sums. Reads
+fused_ema's snapshot folders and ema-pytorch's (migrate.py), told apart by their file names."""
 
 from __future__ import annotations
 
