@@ -10,9 +10,14 @@ import sys
 import torch
 
 import fused_ema
-from fused_ema._ext.testing import cuda_small_params
 
 PACK_EDGES = [1, 7, 8, 9, 33, 1000, 4097, 65535, 65536, 65537, 2 * 65536 + 9]
+
+
+def cuda_small_params(flag: bool) -> bool:
+    """Keeps CUDA launches at 4 KB of parameters (or lets them take 32 KB); returns the previous
+    setting. A test-only op (csrc/testing/; tests/testing_ops.py wraps it for the tests)."""
+    return torch.ops.fused_ema_testing.cuda_small_params(int(bool(flag)))
 
 
 def ragged(dtype, sizes, seed):
