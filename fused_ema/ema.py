@@ -1,16 +1,7 @@
 """ModelEma: a device-safe, fused exponential moving average of a model's weights.
 
-The public façade, over the layers that own state: the constructor's options
-(_state/options.py), the schedule (_update/schedule.py), the entries and how a model is matched
-to them (_model/tracking.py, with _model/walk.py and _model/name_filters.py), the update
-transaction and what is in flight (_update/updater.py) over the plan that every mode runs
-(_update/plan.py, with nonblocking.py for non_blocking and compiled.py for torch.compile), the
-evaluation views (_model/module_view.py, _model/swap.py), checkpoints and the rounding setting
-they carry (_state/ema_state.py, over checkpoint.py's formats and _state/nested_state.py inside a
-parent module's state dict), ema.to() (_state/placement.py) and attach(optimizer)
-(_update/attach.py). Any public call that raises leaves the EMA (tensors, step, schedule) and the
-model as they were.
-"""
+The public façade over the layers that own state (docs/internals.md maps them). Any public call
+that raises leaves the EMA (tensors, step, schedule) and the model as they were."""
 
 from __future__ import annotations
 
@@ -30,7 +21,6 @@ from ._state.timm_attributes import TimmAttributes
 from ._update import compiled
 from ._update.attach import attach
 from ._update.binding import Binding
-from ._update.plan import UpdatePlan
 from ._update.schedule import Schedule
 from ._update.updater import Updater
 from .checkpoint import LoadResult
@@ -182,10 +172,6 @@ class ModelEma(TimmAttributes, nn.Module):
         return self._binding.policy.device
 
     @property
-    def _plan(self) -> UpdatePlan | None:
-        return self._binding.plan
-
-    @property
     def buffer_mode(self) -> str:
         """The buffers= mode: "average", "copy" or "ignore". (``ema.buffers()`` is nn.Module's:
         the EMA registers none.)"""
@@ -219,10 +205,6 @@ class ModelEma(TimmAttributes, nn.Module):
         if torch.compiler.is_compiling():
             return self._updater.trace(unwrap_model(model), step, self._key)
         self._updater.update(self, unwrap_model(model), step, non_blocking)
-
-    def _update_from_trace(self, values: list, step) -> None:
-        """The body of the op a compiled update calls: the same update, on the live model."""
-        self._updater.update_traced(self, values, step)
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update still running, raising the error it ended with (the
@@ -321,12 +303,6 @@ class ModelEma(TimmAttributes, nn.Module):
         self.synchronize()
         return self._binding.module_for(self)
 
-    def _before_module_forward(self) -> None:
-        self._updater.check(
-            "ema.module(...) inside `with ema.swapped(model)`: the EMA tensors hold the "
-            "model's weights until the block ends; inside it, call the model itself"
-        )
-
     @contextlib.contextmanager
     def swapped(self, model: nn.Module):
         """Puts the EMA weights into `model`'s own tensors for the block and restores them after,
@@ -420,7 +396,7 @@ class ModelEma(TimmAttributes, nn.Module):
     # ------------------------------------------------------------------ copies and pickling
 
     def __getstate__(self) -> dict:
-        self._updater.check("a ModelEma cannot be copied or pickled inside ema.swapped()")
+        self._updater.ready(error="a ModelEma cannot be copied or pickled inside ema.swapped()")
         return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:

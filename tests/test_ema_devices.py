@@ -84,7 +84,7 @@ def test_1_cpu_ema_of_a_cuda_model():
     reference = reference_run(model, 30, 0.9, ema.update)
     assert all(t.device.type == "cpu" for t in ema.state_dict()["weights"].values())
     assert_tracks(ema, reference)
-    assert ema._plan.staging_bytes() > 0  # through the pinned staging buffers
+    assert ema._binding.plan.staging_bytes() > 0  # through the pinned staging buffers
 
 
 @cuda

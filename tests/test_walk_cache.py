@@ -244,7 +244,7 @@ def test_a_confirmed_walk_is_always_the_models_walk(changes, with_buffers):
 
 @contextlib.contextmanager
 def no_walk_cache():
-    with mock.patch.object(_plan, "walk_cache", lambda *args: None):
+    with mock.patch.object(_plan.UpdatePlan, "remember", lambda *args: None):
         yield
 
 

@@ -1,8 +1,7 @@
-"""ema.module: an eval-mode nn.Module evaluating the EMA weights. Normally a copy of the model's
-structure whose tensors are the EMA's own, and whose non-persistent buffers are the model's own
-where the EMA lives on the model's device (nothing stored twice); for a model that deepcopy
-refuses (FSDP2, locks, handles), a view that runs the model with the EMA swapped in per call.
-Both hold the EMA weakly, so `del ema` frees it at once, and both pickle."""
+"""ema.module: an eval-mode nn.Module evaluating the EMA weights. A copy of the model's structure
+whose tensors are the EMA's own (its non-persistent buffers the model's, where on its device), or,
+for a model deepcopy refuses (FSDP2, locks, handles), a view that runs the model with the EMA
+swapped in per call. Both hold the EMA weakly, so `del ema` frees it at once."""
 
 from __future__ import annotations
 
@@ -24,7 +23,10 @@ class EmaForwardCheck:
     def __call__(self, module, args):
         ema = self._ema()
         if ema is not None:
-            ema._before_module_forward()
+            ema._updater.ready(
+                error="ema.module(...) inside `with ema.swapped(model)`: the EMA tensors hold the "
+                "model's weights until the block ends; inside it, call the model itself"
+            )
 
     def __getstate__(self):
         return {}  # a pickled copy of the module no longer belongs to an EMA

@@ -1,9 +1,7 @@
-"""Putting EMA weights into a model's own tensors and back (ModelEma.swapped, copy_to). A swap is
-prepared first (the EMA's values cast to the model's dtype and device where they differ, which
-costs the model tensor's size, and a scratch buffer of at most SWAP_CHUNK_BYTES per dtype and
-device), then done by one call that exchanges every pair's values in place (csrc/swap_values.cpp),
-and undone by one more. A sharded EMA of a replicated model (ModelEma(shard=...)) is all-gathered
-straight into the model's tensors, each rank saving aside only its own chunk."""
+"""EMA weights into a model's own tensors and back (ModelEma.swapped, copy_to): prepared first (EMA
+values cast where the model's dtype or device differs; scratch of at most SWAP_CHUNK_BYTES per
+dtype and device), then one in-place exchange each way (csrc/swap_values.cpp). A sharded EMA of a
+replicated model is all-gathered into the model's tensors, each rank saving aside its own chunk."""
 
 from __future__ import annotations
 

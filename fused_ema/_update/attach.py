@@ -1,9 +1,7 @@
-"""ema.attach(optimizer): one EMA update after every real optimizer step, through the optimizer's
-own step post-hook. Gradient accumulation steps the optimizer once per N micro-batches, and a
-GradScaler that finds inf/NaN gradients does not call optimizer.step() at all, so both give one
-update per real step; an optimizer that takes the scaler's found_inf itself (fused Adam) is
-called anyway, and the hook skips the update when found_inf is set. The hook holds the EMA and
-the model weakly: it never keeps them alive, and does nothing once the EMA is gone."""
+"""ema.attach(optimizer): one EMA update per real optimizer step, through the optimizer's step
+post-hook (gradient accumulation steps it once per N micro-batches; a GradScaler skips step() on
+inf/NaN gradients, or sets found_inf for a fused optimizer, which the hook reads). The hook holds
+the EMA and the model weakly: it never keeps them alive, and does nothing once the EMA is gone."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""ModelEma.update inside torch.compile: the traced program walks the model (so the values it
-averages toward are those the compiled code computed) and calls one opaque op, which runs the
-very update plan an eager call runs, with the same structure checks on the live model (prepared,
-when the program hands over the model's own tensors, none computed anew in the graph). The op
-mutates the EMA's step counter, which keeps it in the graph and ordered."""
+"""ModelEma.update inside torch.compile: the traced program walks the model (averaging toward what
+the compiled code computed) and calls one opaque op that runs the eager update, structure checks
+included, on the live model (prepared when handed the model's own tensors). The op mutates the
+EMA's step counter, which keeps it in the graph and ordered."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def model_ema_update(
     ema = _EMAS.get(key)
     if ema is None:
         raise RuntimeError("fused_ema: a compiled program updates a ModelEma that no longer exists")
-    ema._update_from_trace(values, step if step is not None else step_int)
+    ema._updater.update_traced(ema, values, step if step is not None else step_int)
     if step_state is not ema._schedule.step:  # a functional copy: carry the new count back
         step_state.copy_(ema._schedule.step)
 

@@ -1,12 +1,7 @@
-"""One ModelEma update, planned once and run in every mode: one fused lerp per EMA device, the
-model tensors that must first be copied next to their EMA (another device, or a dtype pair the
-kernel lacks) through reusable staging buffers, and the tensors copied rather than averaged.
-
-A plan is built for one walk of the model (the tensor objects, their types, dtypes, devices and
-shapes) and reused while the model matches it. It keeps weak references only. Running it is all
-or nothing: every check happens before the first write, and an interrupt that lands after the
-first write lets the update finish before it propagates.
-"""
+"""One ModelEma update, planned for one walk of the model (weakly) and run in every mode while the
+model matches it: a fused lerp per EMA device, sources on another device or of a dtype pair the
+kernel lacks staged in reusable buffers, unaveraged tensors copied. All or nothing: every check
+comes before the first write, and an interrupt after it lets the update finish, then propagates."""
 
 from __future__ import annotations
 
@@ -27,20 +22,13 @@ from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochast
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
 
-walk_matches = _C.walk_matches
 take = _C.take
-walk_cache = _C.walk_cache
-walk_unchanged = _C.walk_unchanged
 
 
 def walk_signature(walk: list) -> list:
     """What a plan relies on in each walk item besides its identity, which `.data =`, `resize_` or
     `.to()` can change: its Python type, dtype, layout, device and shape (None stays None)."""
     return [None if t is None else (type(t), t.dtype, t.layout, t.device, t.shape) for t in walk]
-
-
-def pair_supported(ema_dtype: torch.dtype, src_dtype: torch.dtype) -> bool:
-    return (ema_dtype, src_dtype) in SUPPORTED_DTYPE_PAIRS
 
 
 @dataclass
@@ -188,30 +176,24 @@ class UpdatePlan:
                 firsts[id(ema)] = zero3.offset(walk[index])
             else:
                 cut = replica_cut(entry.ema, walk[index])  # ModelEma(shard=...): its rows only
-                firsts[id(ema)] = _first_element(entry.ema)
-            if not snap and src.device == device and pair_supported(ema.dtype, src.dtype):
+                firsts[id(ema)] = shard_offset(entry.ema, 0) if is_dtensor(entry.ema) else 0
+            supported = (ema.dtype, src.dtype) in SUPPORTED_DTYPE_PAIRS
+            if not snap and src.device == device and supported:
                 if cut is not None:
                     cuts.setdefault(device, []).append((ema, (index, *cut)))
                 else:
                     bucket = shards if is_dtensor(walk[index]) else direct
                     bucket.setdefault(device, []).append((ema, index))
             else:
-                dtype = src.dtype if pair_supported(ema.dtype, src.dtype) else ema.dtype
+                dtype = src.dtype if supported else ema.dtype
                 staged.setdefault((device, src.device, dtype), []).append((ema, (index, cut)))
             streams[id(ema)] = entry
-        for device, items in direct.items():
-            group = self.groups[device]
-            group.ema += [e for e, _ in items]
-            group.direct = tuple(i for _, i in items)
+        for device, group in self.groups.items():  # plain sources, then shards, then cuts
+            fed = [bucket.get(device, []) for bucket in (direct, shards, cuts)]
+            group.ema += [e for items in fed for e, _ in items]
+            plain, group.shards, group.cuts = ([i for _, i in items] for items in fed)
+            group.direct = tuple(plain)
             group.whole = group.direct == tuple(range(len(walk)))
-        for device, items in shards.items():
-            group = self.groups[device]
-            group.ema += [e for e, _ in items]
-            group.shards = [i for _, i in items]
-        for device, items in cuts.items():
-            group = self.groups[device]
-            group.ema += [e for e, _ in items]
-            group.cuts = [c for _, c in items]
         for (device, src_device, dtype), items in staged.items():
             group = self.groups[device]
             pin = device.type == "cpu" and src_device.type == "cuda"
@@ -229,7 +211,7 @@ class UpdatePlan:
         # One EMA tensor per write: its version counter moves when that write happens.
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
-        self._marks: list | None = None
+        self.marks: list | None = None
         self._walk_cache = None  # what the walk read, once a model matched this plan
         self._joined = None  # (the other plans, the plan joined with them), from joined()
 
@@ -237,7 +219,7 @@ class UpdatePlan:
         """A plan that runs this one and `others` (plans of the same walk, for other EMAs of the
         model) as one update: each device's sources are staged and read once for every EMA
         (ops.lerp_many_), each plan's copies run, and it is all or nothing across them. It
-        runs with one weight per plan, this one's first (updater.JointWeights)."""
+        runs with one weight per plan, this one's first."""
         cached = self._joined
         if cached is not None and len(cached[0]) == len(others):
             if all(a is b for a, b in zip(cached[0], others)):
@@ -261,7 +243,7 @@ class UpdatePlan:
                 joint.copies[(k, *key)] = group
         joint._probes = [g.ema[0] for g in joint.groups.values()]
         joint._probes += [c.ema[0] for c in joint.copies.values()]
-        joint._marks = None
+        joint.marks = None
         self._joined = (tuple(others), joint)
         return joint
 
@@ -270,19 +252,19 @@ class UpdatePlan:
     def remember(self, model, walk: list, with_buffers: bool) -> None:
         """Records, after `walk` of `model` matched this plan, what the walk read (every
         module's dicts and their versions), so that later updates can skip walking it."""
-        self._walk_cache = walk_cache(model, with_buffers, walk)
+        self._walk_cache = _C.walk_cache(model, with_buffers, walk)
 
     def unchanged_walk(self, model) -> list | None:
         """The walk of `model` if no dict the remembered walk read has changed since: then the
         model holds this plan's tensor objects under its names (same_tensors() tells whether
         they still hold what it was built for). None when that cannot be told without walking."""
         cache = self._walk_cache
-        return None if cache is None else walk_unchanged(cache, model)
+        return None if cache is None else _C.walk_unchanged(cache, model)
 
     def matches(self, walk: list, names: int) -> bool:
         """Whether the model holds exactly the tensor objects this plan was built for, under the
         same names."""
-        return names == self.names and walk_matches(walk, self.refs)
+        return names == self.names and _C.walk_matches(walk, self.refs)
 
     def same_tensors(self, walk: list) -> bool:
         """Whether the walk's tensors (this plan's objects) keep their types, dtypes, layouts,
@@ -298,23 +280,19 @@ class UpdatePlan:
         views += [v for c in self.copies.values() for v in c.staging]
         return sum(v.numel() * v.element_size() for v in views)
 
-    def forget_run(self) -> None:
-        self._marks = None
-
     def started(self) -> bool:
         """Whether the run begun last has written anything."""
-        marks = self._marks
+        marks = self.marks
         return marks is not None and any(p._version != m for p, m in zip(self._probes, marks))
 
     # ------------------------------------------------------------------ running
 
-    def run(self, walk: list, schedule, sources: list | None = None) -> None:
-        """The whole update, blocking, with the weight and step of `schedule`. `sources` (the
-        walk's values, from a traced program) replaces the model's tensors as what is averaged
-        toward."""
+    def run(self, walk: list, weight, step, sources: list | None = None) -> None:
+        """The whole update, blocking, with `weight` (one per plan of a joined plan) and `step`.
+        `sources` (the walk's values, from a traced program) replaces the model's tensors as what
+        is averaged toward."""
         values = walk if sources is None else sources
-        weight, step = schedule.weight, schedule.step
-        self._marks = [p._version for p in self._probes]
+        self.marks = [p._version for p in self._probes]
         copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
         if self.has_staging and _zero_on_host(weight):
             # Cross-device copies are not free: skip them on the steps update_every leaves out.
@@ -328,13 +306,12 @@ class UpdatePlan:
         ]
         _run_to_the_end(lerps + copies)
 
-    def start(self, walk: list, schedule, runner) -> bool:
+    def start(self, walk: list, weight, step, runner) -> bool:
         """A non_blocking update: device EMAs update in stream order now; the copies for a CPU
         EMA are issued on side streams and a worker thread averages once they have landed.
         Returns whether work was left to the worker. That job is prepared before anything is
         written, so a caller interrupted anywhere can settle it (AsyncRunner.settle)."""
-        weight, step = schedule.weight, schedule.step
-        self._marks = [p._version for p in self._probes]
+        self.marks = [p._version for p in self._probes]
         skipped = _zero_on_host(weight)
         now = [g for g in self.groups.values() if g.device.type != "cpu"]
         later = [g for g in self.groups.values() if g.device.type == "cpu" and not skipped]
@@ -396,11 +373,6 @@ def stream_key(name: str) -> int:
     """The random stream of an EMA tensor: a 31-bit hash of its name, the same on every rank,
     device and list order."""
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
-
-def _first_element(ema: torch.Tensor) -> int:
-    """Index in the full tensor of the first element this rank holds (0 unless sharded)."""
-    return shard_offset(ema, 0) if is_dtensor(ema) else 0
 
 
 def _part(t: torch.Tensor, cut) -> torch.Tensor:

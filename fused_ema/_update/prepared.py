@@ -1,11 +1,7 @@
-"""An update plan prepared in the extension (csrc/prepared_update.h): its tensors handed over once,
-then each update one call (_C.run_prepared) that checks every tensor is still what was planned,
-moves the schedules and runs every lerp and copy, refusing before the first write. Two kinds of
-source are views the extension cannot check alone, so current() checks them in Python: a DTensor's
-local shard (the DTensor's _local_tensor must still be it) and the rows a ModelEma(shard=...)
-averages of a replicated tensor, or a ZeRO-3 parameter's valid partition (that tensor, or that
-partition, must still hold the same memory). Plans whose sources must be staged, and non_blocking
-or compiled updates, run as UpdatePlan.run / start do."""
+"""An update plan prepared in the extension (csrc/prepared_update.h): tensors handed over once, then
+one call per update that checks them, moves the schedules and runs every lerp and copy, refusing
+before the first write. current() checks in Python the views the extension cannot (DTensor shards,
+replica rows, ZeRO-3 partitions); staged, non_blocking and compiled updates run UpdatePlan's way."""
 
 from __future__ import annotations
 

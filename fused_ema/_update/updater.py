@@ -30,24 +30,6 @@ def _dispatch_modes() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
 
 
-class JointWeights:
-    """What a joined plan reads: the weights of the leader's and its followers' current step
-    (one per EMA, in their order) and the step (the same on every one)."""
-
-    __slots__ = ("weight", "step")
-
-    def __init__(self, weight: torch.Tensor, step: torch.Tensor):
-        self.weight = weight
-        self.step = step
-
-
-def joint_weights(schedules: list):
-    """The schedule a plan runs with: the one schedule itself, or their weights side by side."""
-    if len(schedules) == 1:
-        return schedules[0]
-    return JointWeights(torch.cat([s.weight for s in schedules]), schedules[0].step)
-
-
 class Updater:
     def __init__(self, binding, schedule):
         self.binding = binding
@@ -73,25 +55,18 @@ class Updater:
         leader.followers = (*leader.followers, self)
         leader.joint = joint
 
-    def ready(self, what: str) -> None:
-        """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""
-        if self.leader is not None:
-            self.leader.synchronize()
-        if self.runner.busy:
-            self.synchronize()
-        if self.swapped:
-            raise RuntimeError(
-                f"ema.{what}() inside `with ema.swapped(model)`: the EMA tensors "
-                "hold the model's weights until the block ends"
-            )
-
-    def check(self, error: str) -> None:
-        """ready() with its own message for the RuntimeError raised inside swapped()."""
+    def ready(self, what: str = "", error: str = "") -> None:
+        """Before any use of the EMA (ema.`what`()): a non_blocking update finished, and not
+        inside swapped(), where it raises `error` if given."""
         if self.leader is not None:
             self.leader.synchronize()
         self.synchronize()
         if self.swapped:
-            raise RuntimeError(error)
+            raise RuntimeError(
+                error
+                or f"ema.{what}() inside `with ema.swapped(model)`: the EMA tensors hold the "
+                "model's weights until the block ends"
+            )
 
     def update(self, ema, model, step, non_blocking: bool, values=None) -> None:
         """One update of `ema` toward `model` (unwrapped); `values` are those a compiled program
@@ -122,8 +97,12 @@ class Updater:
         if names is None and any(not f.binding.vouches(non_blocking) for f in self.followers):
             walk, names = _C.tensor_walk(model, self.binding.with_buffers, True)  # to plan with
         args = (ema, model, walk, names, step, non_blocking, values)
+        # trusted: the present plans' prepared update runs, and checks every tensor itself
+        prepared = self.prepared
+        trusted = not (non_blocking or values is not None or prepared is None or _dispatch_modes())
+        trusted = trusted and prepared.current(self._plans(), self._schedules())
         try:
-            done = without_grad(self._update, *args, self._prepared_current(non_blocking, values))
+            done = without_grad(self._update, *args, trusted)
         except _Declined:  # checked in Python now: a tensor changed, or only where it lives
             done = without_grad(self._update, *args, False)
         if done:
@@ -151,14 +130,6 @@ class Updater:
             schedule.note_capture()
         return prepared.run(cache, model, *prep.step_mode(step), False)
 
-    def _prepared_current(self, non_blocking: bool, values) -> bool:
-        """Whether this update can run the prepared update of the present plans, which checks
-        every tensor itself."""
-        prepared = self.prepared
-        if non_blocking or values is not None or prepared is None or _dispatch_modes():
-            return False
-        return prepared.current(self._plans(), self._schedules())
-
     def _prepared_for(self, plan, model, walk: list):
         """The prepared form of `plan` for a blocking update, or None where it has none."""
         if _dispatch_modes():
@@ -179,7 +150,7 @@ class Updater:
         """update() with autograd off; False when the worker finishes it (synchronize() then
         commits or rolls back). `trusted`: the plans are prepared, and the prepared update checks
         the tensors (raising _Declined, having changed nothing, where one changed)."""
-        schedules = [self.schedule] + [f.schedule for f in self.followers]
+        schedules = self._schedules()
         for schedule in schedules:
             # A step begun by an update that landed whole but was interrupted before it could
             # commit: it is final, and this update must not roll it back if it fails.
@@ -203,7 +174,7 @@ class Updater:
                 # The traced walk (_model/walk.py, the Python form dynamo can follow) must be the
                 # C walk item for item: a disagreement is refused, never averaged.
                 raise RuntimeError("fused_ema: the compiled program walked another model structure")
-            plan.forget_run()
+            plan.marks = None  # nothing of this update written yet (plan.started())
             prepared = None
             if trusted and not any(undos):  # the plans it was prepared for, unchanged
                 prepared = self.prepared
@@ -228,20 +199,23 @@ class Updater:
             for schedule in schedules:
                 schedule.begin(step)
                 schedule.note_capture()
+            # A joined plan reads one weight per EMA (the leader's first) and the leader's step.
+            weight = (
+                torch.cat([s.weight for s in schedules]) if self.followers else schedules[0].weight
+            )
             if non_blocking:
-                if plan.start(walk, joint_weights(schedules), self.runner):
+                if plan.start(walk, weight, self.schedule.step, self.runner):
                     self.pending_plan = plan
                     return False
             else:
-                plan.run(walk, joint_weights(schedules), values)
+                plan.run(walk, weight, self.schedule.step, values)
         except BaseException:
             if self.runner.busy:
                 self.runner.settle(plan.started)  # a job this call prepared: finished or dropped
             if wrote() or (plan is not None and plan.started()):
                 self._commit()  # it wrote, so it finished: only the error propagates
             else:
-                for schedule in schedules:
-                    schedule.rollback()
+                self._rollback()
                 for undo in reversed(undos):
                     if undo is not None:
                         undo()  # a resync that the failed update made is undone too
@@ -249,14 +223,12 @@ class Updater:
         return True
 
     def _commit(self) -> None:
-        self.schedule.commit()
-        for f in self.followers:
-            f.schedule.commit()
+        for schedule in self._schedules():
+            schedule.commit()
 
     def _rollback(self) -> None:
-        self.schedule.rollback()
-        for f in self.followers:
-            f.schedule.rollback()
+        for schedule in self._schedules():
+            schedule.rollback()
 
     def trace(self, model, step, key: int) -> None:
         """update() inside torch.compile: the traced program walks the model and calls the op

@@ -572,7 +572,7 @@ def accelerate_bf16(out: Path, rank: int) -> dict:
         "engine": type(model).__name__,
         "dtypes": sorted({str(p.ds_tensor.dtype) for p in params.values()})
         + sorted({str(v.dtype) for v in weights.values()}),
-        "staged": ema._plan.has_staging,
+        "staged": ema._binding.plan.has_staging,
         "error": max(
             float((v.double() - reference[n].reshape(-1).narrow(0, *_span(params[n]))).abs().max())
             if n in params
