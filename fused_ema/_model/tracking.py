@@ -14,6 +14,7 @@ from torch import nn
 
 from .._dist import zero3
 from .._dist.dtensor import check_averageable, is_dtensor, same_layout
+from ..errors import StructureMismatchError
 from .name_filters import NameFilter
 from .walk import PARAM, Tracked
 
@@ -88,7 +89,14 @@ class EntryPolicy:
             return False
         return not self.copy_filter.matches_any(names)
 
-    def new_entry(self, tracked: Tracked, *, meta_ok: bool = True) -> Entry:
+    def ema_dtype(self, t: torch.Tensor, average: bool) -> torch.dtype:
+        """An averaged tensor's EMA dtype: the policy's, else float32 (float64 for float64
+        tensors); a copied one keeps its own."""
+        if not average:
+            return t.dtype
+        return self.dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+    def new_entry(self, tracked: Tracked) -> Entry:
         if nn.parameter.is_lazy(tracked.tensor):
             raise ValueError(
                 f"fused_ema: {tracked.kind} {tracked.name} is uninitialized (a lazy module such as "
@@ -105,12 +113,7 @@ class EntryPolicy:
                 "or as a buffer (buffers are copied)."
             )
         average = self.averages(t, tracked.kind, tracked.names)
-        if not average:
-            dtype = t.dtype
-        elif self.dtype is not None:
-            dtype = self.dtype
-        else:
-            dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        dtype = self.ema_dtype(t, average)
         if is_dtensor(t):
             check_averageable(tracked.name, t)
             if self.device is not None and self.device != t.device:
@@ -121,8 +124,6 @@ class EntryPolicy:
                 )
             device = t.device
         elif t.is_meta:
-            if not meta_ok:
-                raise ValueError(f"{tracked.name} is a meta tensor, which holds no values")
             device = t.device  # no values yet: resync(model) after materialising the model
         else:
             device = self.device if self.device is not None else t.device
@@ -145,12 +146,9 @@ class EntryPolicy:
             )
         part = zero3.partition(tracked.tensor).detach()
         average = self.averages(part, tracked.kind, tracked.names)
-        if not average:
-            dtype = part.dtype
-        else:
-            dtype = self.dtype or (torch.float64 if part.dtype == torch.float64 else torch.float32)
         device = self.device if self.device is not None else part.device
-        ema = nn.Parameter(part.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+        ema = part.to(device=device, dtype=self.ema_dtype(part, average), copy=True)
+        ema = nn.Parameter(ema, requires_grad=False)
         return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
 
 
@@ -170,17 +168,21 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.renamed or self.reshaped or self.replaced)
 
+    def error(self, hint: str, replaced: bool = True) -> StructureMismatchError:
+        """The error that lists these changes (not the replaced tensors unless `replaced`)."""
+        kept = self.replaced if replaced else ()
+        return StructureMismatchError(
+            self.added, self.removed, self.reshaped, kept, hint, self.renamed
+        )
 
-def _same_layout(entry: Entry, t: torch.Tensor) -> bool:
-    if zero3.is_zero3(t):
-        return zero3.same_layout(entry.ema, t)
-    return same_layout(entry.ema, t)
 
-
-def _layout_change(entry: Entry, t: torch.Tensor) -> str:
-    """How an entry whose layout no longer fits `t` differs: "partitioned" when it holds the whole
-    EMA of a parameter that ZeRO-3 has partitioned since (each rank keeps its slice of it), else
-    "reshaped"."""
+def _layout_change(entry: Entry, t: torch.Tensor) -> str | None:
+    """None while the entry's layout fits `t`; else "partitioned" when it holds the whole EMA of a
+    parameter that ZeRO-3 has partitioned since (each rank keeps its slice of it), or "reshaped"
+    (a meta EMA of a tensor materialised since too)."""
+    fits = zero3.same_layout if zero3.is_zero3(t) else same_layout
+    if fits(entry.ema, t) and not (entry.ema.is_meta and not t.is_meta):
+        return None
     whole = zero3.is_zero3(t) and not entry.ema.is_meta and entry.ema.shape == t.ds_shape
     return "partitioned" if whole else "reshaped"
 
@@ -214,8 +216,8 @@ class EntryTable:
             if e is None or e.bound() is not t.tensor or id(e) in claimed or e.kind != t.kind:
                 continue
             claimed[id(e)] = t.names
-            if not _same_layout(e, t.tensor) or (e.ema.is_meta and not t.tensor.is_meta):
-                found[k] = (e, _layout_change(e, t.tensor))
+            if change := _layout_change(e, t.tensor):
+                found[k] = (e, change)
             elif set(t.names) != set(e.names):
                 found[k] = (e, "renamed")
             else:
@@ -229,8 +231,8 @@ class EntryTable:
                     continue
                 if id(e) in claimed and not set(claimed[id(e)]) & set(e.names):
                     continue  # its tensor moved to another name: this one is new
-                if not _same_layout(e, t.tensor) or (e.ema.is_meta and not t.tensor.is_meta):
-                    found[k] = (e, _layout_change(e, t.tensor))
+                if change := _layout_change(e, t.tensor):
+                    found[k] = (e, change)
                 elif id(e) in claimed:
                     found[k] = (e, "untied")
                 elif e.bound is unbound:
@@ -281,7 +283,7 @@ class EntryTable:
         entries = []
         for t, e, how in self.match(tracked):
             if how in ("new", "reshaped"):
-                entries.append(policy.new_entry(t, meta_ok=True))
+                entries.append(policy.new_entry(t))
                 continue
             ema = e.ema
             if how in ("untied", "partitioned"):

@@ -17,7 +17,6 @@ from .._ext.loader import _C
 from .._model.module_view import EmaForwardCheck, SwappedModelView, build_module
 from .._model.tracking import EntryPolicy, EntryTable, unbound
 from .._model.walk import named_tensors
-from ..errors import StructureMismatchError
 from .plan import UpdatePlan
 
 _RESYNC_HINT = (
@@ -52,9 +51,9 @@ class Binding:
         return without_grad(lambda: self._packed(self.table.followed(tracked, self.policy)))
 
     def _build_module(self, ema, entries, model) -> nn.Module:
-        if self.policy.shard is not None:  # each forward gathers the EMA into the model
-            return SwappedModelView(ema, model)
-        if self.zero3(entries):  # partitions cannot stand in for the weights of a copy
+        # A sharded EMA is gathered into the model for each forward; ZeRO-3 partitions cannot
+        # stand in for the weights of a copy.
+        if self.policy.shard is not None or self.zero3(entries):
             return SwappedModelView(ema, model)
         return build_module(ema, entries, model)
 
@@ -67,8 +66,11 @@ class Binding:
         return self.policy.buffers != "ignore"
 
     def tracked(self, model: nn.Module) -> list:
-        """The model's tensors this EMA follows (without those ignore_names leaves out)."""
-        return self.policy.select(named_tensors(model, self.with_buffers))
+        """The model's tensors this EMA follows (without those ignore_names leaves out), refusing
+        those FSDP2 holds unsharded (see refuse_unsharded)."""
+        tracked = self.policy.select(named_tensors(model, self.with_buffers))
+        refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
+        return tracked
 
     def schedule_device(self, table: EntryTable | None = None) -> torch.device:
         """Where the step counter lives: with the first EMA tensor that is not on the CPU."""
@@ -110,19 +112,11 @@ class Binding:
         if names is None:  # the plan's objects, holding other tensors: planned again
             names = _C.tensor_walk(model, self.with_buffers, True)[1]
         tracked = self.tracked(model)
-        refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
         table = self.table
         changes = table.changes(tracked)
         if changes:
             if self.on_mismatch == "error":
-                raise StructureMismatchError(
-                    changes.added,
-                    changes.removed,
-                    changes.reshaped,
-                    changes.replaced,
-                    renamed=changes.renamed,
-                    hint=_RESYNC_HINT,
-                )
+                raise changes.error(_RESYNC_HINT)
             table = self._followed(tracked)
         elif changes.partitioned:  # by ZeRO-3 since the EMA was built: each rank keeps its slice
             table = self._followed(tracked)
@@ -132,7 +126,6 @@ class Binding:
 
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)
-        refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
         table = self._followed(tracked)
         self.adopt(ema, model, table, tracked, schedule)
 
@@ -186,16 +179,10 @@ class Binding:
     def pairs_with(self, model: nn.Module) -> list:
         """(name, EMA tensor, model tensor) for every entry, matched by name and shape."""
         tracked = self.tracked(model)
-        refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
         changes = self.table.changes(tracked)
-        if changes.added or changes.removed or changes.reshaped or changes.renamed:
-            raise StructureMismatchError(
-                changes.added,
-                changes.removed,
-                changes.reshaped,
-                renamed=changes.renamed,
-                hint="Call ema.resync(model) first.",
-            )
+        mismatch = changes.error("Call ema.resync(model) first.", replaced=False)
+        if mismatch:  # tensors replaced under the same names are written by name
+            raise mismatch
         if changes.partitioned:
             raise RuntimeError(
                 f"fused_ema: DeepSpeed ZeRO-3 has partitioned {len(changes.partitioned)} "

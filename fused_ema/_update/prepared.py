@@ -48,13 +48,13 @@ class Prepared:
     def __init__(self, plan: UpdatePlan, plans: tuple, schedules: list, model, walk: list):
         self.plans = plans
         self.steps = tuple(s.step for s in schedules)  # Schedule.place() replaces them
+        _, shards, cuts = _sources(plan, walk)
         # (DTensor, its local shard), both weakly: what the extension averages for a DTensor.
         self.shards = tuple(
-            (weakref.ref(walk[i]), weakref.ref(walk[i]._local_tensor))
-            for i in _indices(plan, walk, "shards")
+            (weakref.ref(walk[i]), weakref.ref(walk[i]._local_tensor)) for i in shards
         )
         # (a tensor whose rows are averaged, weakly, and its memory when prepared).
-        self.cuts = tuple((weakref.ref(walk[i]), _memory(walk[i])) for i in _indices(plan, walk))
+        self.cuts = tuple((weakref.ref(walk[i]), _memory(walk[i])) for i in cuts)
         tensors = [t for s in schedules for t in (s.step, s.out, s.config)]
         self.handle = torch.ops.fused_ema.prepared_new(tensors)
         self._free = weakref.finalize(self, _C.prepared_free, self.handle)
@@ -108,7 +108,10 @@ class Prepared:
             and plans == self.plans  # plans compare by identity
             and len(schedules) == len(self.steps)
             and all(a is s.step for a, s in zip(self.steps, schedules))
-            and (not self.shards or all(_local_of(d) is h() is not None for d, h in self.shards))
+            and (
+                not self.shards  # each DTensor alive (0 where gone) and holding the shard prepared
+                or all(h() is getattr(d(), "_local_tensor", 0) for d, h in self.shards)
+            )
             and (not self.cuts or all(_memory(t()) == memory for t, memory in self.cuts))
         )
 
@@ -136,9 +139,8 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
             return False
         if any(type(e) not in _PLAIN for g in (group, *group.followers) for e in g.ema):
             return False
-    sources = [walk[i] for i in _indices(plan, walk, "plain")]
-    sources += [walk[i] for i in _indices(plan, walk, "cuts")]
-    sources += [walk[i]._local_tensor for i in _indices(plan, walk, "shards")]
+    plain, shards, cuts = _sources(plan, walk)
+    sources = [walk[i] for i in plain + cuts] + [walk[i]._local_tensor for i in shards]
     sources += [walk[i] for copies in plan.copies.values() for i in copies.index]
     emas = [e for copies in plan.copies.values() for e in copies.ema]
     return not any(c.staging for c in plan.copies.values()) and all(
@@ -146,29 +148,18 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
     )
 
 
-def _indices(plan: UpdatePlan, walk: list, kind: str = "cuts") -> list:
-    """The walk indices of the sources that are whole tensors ("plain"), DTensor shards ("shards")
-    or rows of a replica or a ZeRO-3 partition ("cuts", copied partitions too), staged ones
-    included."""
-    out = []
+def _sources(plan: UpdatePlan, walk: list) -> tuple[list, list, list]:
+    """The walk indices of the sources that are whole tensors, DTensor shards, and rows of a
+    replica or a ZeRO-3 partition (copied partitions too), staged ones included."""
+    plain, shards, cuts = [], [], []
     for group in plan.groups.values():
-        whole = [i for i, cut in group.staged if cut is None]
-        if kind == "plain":
-            out += [*group.direct, *(i for i in whole if not is_dtensor(walk[i]))]
-        elif kind == "shards":
-            out += [*group.shards, *(i for i in whole if is_dtensor(walk[i]))]
-        else:
-            out += [i for i, *_ in group.cuts]
-            out += [i for i, cut in group.staged if cut is not None]
-    if kind == "cuts":  # copied ZeRO-3 partitions: views of their partition too
-        out += [i for c in plan.copies.values() for i in c.index if is_zero3(walk[i])]
-    return out
-
-
-def _local_of(ref):
-    """The local shard of the DTensor `ref` refers to (None once it is gone)."""
-    dtensor = ref()
-    return None if dtensor is None else dtensor._local_tensor
+        plain += group.direct
+        shards += group.shards
+        cuts += [i for i, *_ in group.cuts]
+        for i, cut in group.staged:
+            (cuts if cut is not None else shards if is_dtensor(walk[i]) else plain).append(i)
+    cuts += [i for c in plan.copies.values() for i in c.index if is_zero3(walk[i])]
+    return plain, shards, cuts
 
 
 def _memory(t):
