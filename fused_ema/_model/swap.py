@@ -200,14 +200,7 @@ def unaliased(pairs) -> list:
         if found and v.numel() > 0:
             start, end = _span(v)
             k = bisect.bisect_left(found, (end, end)) - 1
-            own = local(target)
-            itself = (v.data_ptr(), v.shape, v.stride(), v.dtype) == (
-                own.data_ptr(),
-                own.shape,
-                own.stride(),
-                own.dtype,
-            )
-            if k >= 0 and found[k][1] > start and not itself:
+            if k >= 0 and found[k][1] > start and not same_memory(v, local(target)):
                 value = value.clone()
         out.append((name, value, target))
     return out

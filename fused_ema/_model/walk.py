@@ -59,16 +59,10 @@ def _orig_mod(model: nn.Module) -> nn.Module | None:
     if "_orig_mod" in attributes:
         inner = attributes["_orig_mod"]
         return inner if isinstance(inner, nn.Module) else None
-    # nn.Module.__getattr__ looks in _parameters, _buffers, then _modules: only the last can
-    # hold a module, and a parameter or buffer of that name comes first.
+    # nn.Module.__getattr__ looks in _parameters and _buffers before _modules, but nn.Module
+    # refuses a parameter or buffer under a submodule's name (and the reverse).
     children = attributes.get("_modules")
-    if not children or "_orig_mod" not in children:
-        return None
-    for where in ("_parameters", "_buffers"):
-        found = attributes.get(where)
-        if found is not None and "_orig_mod" in found:
-            return None
-    inner = children["_orig_mod"]
+    inner = children.get("_orig_mod") if children else None
     return inner if isinstance(inner, nn.Module) else None
 
 

@@ -98,6 +98,10 @@ def check_options(
     min_decay = _real("min_decay", min_decay, 0.0, decay)
     if warmup is True:
         warmup = DEFAULT_WARMUP
+    wrong = (
+        "warmup must be False, True, (gamma, power), 'diffusers', 'torch_ema' or "
+        f"('power_function', gamma), got {warmup!r}"
+    )
     if isinstance(warmup, (tuple, list)) and len(warmup) == 6 and warmup[0] == BEMA:
         warmup = check_bema(warmup)
     elif isinstance(warmup, (tuple, list)) and len(warmup) == 2 and warmup[0] == POWER_FUNCTION:
@@ -111,20 +115,12 @@ def check_options(
         warmup = None
     elif isinstance(warmup, str):
         if warmup not in RAMP_WARMUPS:
-            raise ValueError(
-                f"warmup must be False, True, (gamma, power), 'diffusers', 'torch_ema' or "
-                "('power_function', gamma), "
-                f"got {warmup!r}"
-            )
+            raise ValueError(wrong)
     else:
         try:
             gamma, power = (float(v) for v in warmup)
         except (TypeError, ValueError):
-            raise ValueError(
-                "warmup must be False, True, (gamma, power), 'diffusers', 'torch_ema' or "
-                "('power_function', gamma), "
-                f"got {warmup!r}"
-            ) from None
+            raise ValueError(wrong) from None
         if not (0 < gamma < math.inf and 0 < power < math.inf):
             raise ValueError(f"warmup gamma and power must be positive and finite, got {warmup!r}")
         warmup = (gamma, power)
@@ -207,28 +203,23 @@ class Schedule:
     def __init__(self, options: dict, device: torch.device):
         self.options = options
         self.captured = False  # a CUDA graph holds pointers to these tensors
-        self._make_tensors(device, step=0)
-        self._dirty = False
-
-    def _make_tensors(self, device, step: int) -> None:
-        self.step = torch.full((), step, dtype=torch.int64, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
         self._saved = torch.zeros_like(self.step)
         self.out = torch.zeros(2, dtype=torch.float64, device=device)  # (weight, decay)
         self.config = torch.tensor(_config_values(self.options), dtype=torch.float64)
         self.config = self.config.to(device)
-        self.weight = self.out[:1]  # what the fused kernel reads: no host sync
         without_grad(self._compute, False)
+        self._dirty = False
 
     @property
     def device(self) -> torch.device:
         return self.step.device
 
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "weight"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.weight = self.out[:1]  # a view: plain pickle would have copied it apart from out
+    @property
+    def weight(self) -> torch.Tensor:
+        """The current step's weight, what the fused kernel reads (no host sync): a view of out,
+        made on each read so that a copy or pickle never holds it apart from out."""
+        return self.out[:1]
 
     def _compute(self, advance: bool) -> None:
         torch.ops.fused_ema.ema_schedule_(self.step, self.out, self.config, advance)
@@ -317,7 +308,6 @@ class Schedule:
         self.step, self.out = step, self.out.to(device)
         self._saved = torch.zeros_like(step)
         self.config = self.config.to(device)
-        self.weight = self.out[:1]
 
     def value(self) -> int:
         return int(self.step.item())
