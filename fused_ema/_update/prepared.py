@@ -102,7 +102,8 @@ class Prepared:
 
     def current(self, plans: tuple, schedules: list) -> bool:
         """Whether this was prepared for the EMAs' present plans and schedule tensors, its model
-        is alive and each DTensor source still holds the local shard prepared."""
+        is alive, each DTensor source still holds the local shard prepared and each tensor whose
+        rows are averaged (or its ZeRO-3 partition) the same memory."""
         return (
             self._free.alive
             and plans == self.plans  # plans compare by identity
