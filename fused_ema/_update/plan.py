@@ -211,7 +211,7 @@ class UpdatePlan:
         # One EMA tensor per write: its version counter moves when that write happens.
         self._probes = [g.ema[0] for g in self.groups.values()]
         self._probes += [c.ema[0] for c in self.copies.values()]
-        self.marks: list | None = None
+        self.marks: list | None = None  # the probes' versions as the latest run began
         self._walk_cache = None  # what the walk read, once a model matched this plan
         self._joined = None  # (the other plans, the plan joined with them), from joined()
 
