@@ -43,7 +43,6 @@ CPU_SOURCES = [
     "csrc/prepared_handles.cpp",
     "csrc/prepared_update.cpp",
     "csrc/python_walk.cpp",
-    "csrc/python_walk_check.cpp",
     "csrc/python_walk_cache.cpp",
     "csrc/schedule.cpp",
     "csrc/swap_values.cpp",

@@ -5,9 +5,9 @@ call with weight 0 (its checks, plan and bookkeeping without the kernel), the sa
 one flat tensor (the kernel's memory traffic without any per-tensor work), foreach,
 ModelEma.update, and the check that the model still holds the planned tensor objects (what they
 hold, the prepared update checks): the cached one an unchanged model takes (_C.walk_unchanged) and
-the full one a changed model falls back to (_C.tensor_walk + walk_matches + take). Medians of
-interleaved runs of this thread's CPU time, on one torch thread: on a shared machine, wall time
-and OpenMP barriers would measure the other tenants instead of the bookkeeping.
+the full one a changed model falls back to (_C.tensor_walk + walk_matches + the plan's take).
+Medians of interleaved runs of this thread's CPU time, on one torch thread: on a shared machine,
+wall time and OpenMP barriers would measure the other tenants instead of the bookkeeping.
 
 Before Python 3.12 there is no walk cache (it watches the model's dicts with CPython's dict
 watchers, new in 3.12): every update takes the full walk check, and the cached one is reported
@@ -32,6 +32,7 @@ from tqdm import tqdm
 import fused_ema
 from fused_ema import _C
 from fused_ema._model.walk import tensor_walk
+from fused_ema._update.plan import take
 
 from . import report
 from .timing import summary
@@ -89,7 +90,7 @@ def steps(model: nn.Module) -> tuple[dict, dict]:
     def walk_check():
         current = _C.tensor_walk(model, True)
         assert _C.walk_matches(current, refs)
-        _C.take(current, indices)
+        take(current, indices)
 
     def cached_check():
         assert _C.walk_unchanged(cache, model) is not None

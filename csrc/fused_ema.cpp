@@ -29,7 +29,6 @@ namespace fused_ema {
 PyObject* python_tensor_walk(PyObject* module, PyObject* args, PyObject* kwargs);
 PyObject* python_named_walk(PyObject* module, PyObject* args);
 PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
-PyObject* python_take(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 // python_walk_cache.cpp
 PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
@@ -162,8 +161,6 @@ PyMethodDef kMethods[] = {
     {"walk_matches", reinterpret_cast<PyCFunction>(fused_ema::python_walk_matches), METH_FASTCALL,
      "walk_matches(walk: list, refs: tuple) -> bool: every refs[i] is None with walk[i] None or a "
      "weakref.ref to walk[i] itself."},
-    {"take", reinterpret_cast<PyCFunction>(fused_ema::python_take), METH_FASTCALL,
-     "take(walk: list, indices: tuple[int, ...]) -> list: [walk[i] for i in indices]."},
     {"walk_cache", reinterpret_cast<PyCFunction>(fused_ema::python_walk_cache), METH_FASTCALL,
      "walk_cache(model, with_buffers: bool, walk: list) -> capsule | None: what tensor_walk "
      "read to find `walk`, for walk_unchanged (None where it cannot be cached)."},

@@ -1,8 +1,8 @@
 // fused_ema._C.tensor_walk: the model's tensors in walk order (module_walk.h), with a hash of
-// every name on the way: what an update compares with its plan's walk (python_walk_check.cpp)
-// whenever the walk cache (python_walk_cache.cpp) cannot vouch that the model is unchanged.
-// fused_ema._C.named_walk: the same walk with every item's full name, for building a plan; with
-// every_path, also the names a module reachable by several paths has under each (state_dict's).
+// every name on the way; walk_matches: whether such a walk holds the very objects (identity only)
+// a plan was built for, an update's check whenever the walk cache (python_walk_cache.cpp) cannot
+// vouch that the model is unchanged. named_walk: the same walk with every item's full name, for
+// building a plan; with every_path, also a module's names under each path to it (state_dict's).
 #include <Python.h>
 
 #include <cstdint>
@@ -129,7 +129,64 @@ class NamedVisitor {
   PyObject* prefix_ = nullptr;      // the module being visited's, borrowed from prefixes_
 };
 
+bool check_type(PyObject* obj, bool ok, const char* what) {
+  if (!ok) {
+    PyErr_Format(PyExc_TypeError, "expected %s, got %.200s", what, Py_TYPE(obj)->tp_name);
+  }
+  return ok;
+}
+
+// The referent of a weakref.ref, compared by address only (never dereferenced).
+PyObject* referent(PyObject* ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* target = nullptr;
+  if (PyWeakref_GetRef(ref, &target) < 0) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  Py_XDECREF(target);
+  return target;
+#else
+  PyObject* target = PyWeakref_GET_OBJECT(ref);
+  return target == Py_None ? nullptr : target;
+#endif
+}
+
 }  // namespace
+
+PyObject* python_walk_matches(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_Format(PyExc_TypeError, "walk_matches(walk, refs) takes 2 arguments (%zd)", nargs);
+    return nullptr;
+  }
+  PyObject* walk = args[0];
+  PyObject* refs = args[1];
+  if (!check_type(walk, PyList_Check(walk), "a list (walk)") ||
+      !check_type(refs, PyTuple_Check(refs), "a tuple (refs)")) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(walk);
+  if (PyTuple_GET_SIZE(refs) != n) {
+    Py_RETURN_FALSE;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(walk, i);
+    PyObject* ref = PyTuple_GET_ITEM(refs, i);
+    if (ref == Py_None) {
+      if (item != Py_None) {
+        Py_RETURN_FALSE;
+      }
+    } else {
+      if (!check_type(ref, PyWeakref_CheckRef(ref), "weakref.ref or None (refs item)")) {
+        return nullptr;
+      }
+      if (item == Py_None || referent(ref) != item) {
+        Py_RETURN_FALSE;
+      }
+    }
+  }
+  Py_RETURN_TRUE;
+}
 
 PyObject* python_named_walk(PyObject* /*module*/, PyObject* args) {
   return python_entry([&]() -> PyObject* {

@@ -1,8 +1,8 @@
 // fused_ema._C.walk_cache / walk_unchanged: an update's walk of the model without walking it.
 // The cache records what the walk (module_walk.h) read and watches every dict it read with
 // CPython's dict watchers (3.12+), so that one flag confirms the model holds the same objects.
-// Older Pythons have no watchers: there is no cache and every update takes the full walk
-// (python_walk.cpp) and its check (python_walk_check.cpp).
+// Older Pythons have no watchers: there is no cache and every update takes the full walk and its
+// check (python_walk.cpp).
 #include <Python.h>
 
 #include <algorithm>

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import weakref
 import zlib
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,12 @@ from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochast
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
 
-take = _C.take
+
+def take(walk: list, indices: tuple) -> list:
+    """[walk[i] for i in indices] (indices not empty), as one C loop of operator.itemgetter."""
+    if len(indices) == 1:  # itemgetter of one index returns the item itself
+        return [walk[indices[0]]]
+    return list(operator.itemgetter(*indices)(walk))
 
 
 def walk_signature(walk: list) -> list:
