@@ -11,6 +11,7 @@
 #include "cpu/cpu_isa.h"
 #include "dtype_pairs.h"
 #include "fused_op.h"
+#include "module_walk.h"
 #include "schedule_formula.h"
 
 #ifndef FUSED_EMA_WITH_CUDA
@@ -128,17 +129,14 @@ PyObject* available_cpu_isas(PyObject*, PyObject*) {
 }
 
 PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
-  const char* name = PyUnicode_AsUTF8(arg);
-  if (name == nullptr) {
-    return nullptr;
-  }
-  try {
+  return fused_ema::python_entry([&]() -> PyObject* {
+    const char* name = PyUnicode_AsUTF8(arg);
+    if (name == nullptr) {
+      return nullptr;
+    }
     fused_ema::cpu::set_active_isa(name);
-  } catch (const c10::Error& err) {
-    PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+    Py_RETURN_NONE;
+  });
 }
 
 PyMethodDef kMethods[] = {

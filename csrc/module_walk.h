@@ -8,20 +8,25 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <new>
+#include <exception>
 #include <utility>
 #include <vector>
 
 namespace fused_ema {
 
-// Runs a CPython entry point's body; a C++ allocation failure becomes Python's MemoryError (no C++
-// exception may cross into the interpreter).
+// Sets the Python error of a C++ exception as torch's own bindings map them (ValueError, TypeError,
+// IndexError, NotImplementedError, else RuntimeError; MemoryError for bad_alloc), with the message
+// and no C++ backtrace (prepared_handles.cpp).
+void set_python_error(const std::exception& err);
+
+// Runs a CPython entry point's body: no C++ exception may cross into the interpreter.
 template <typename Body>
 PyObject* python_entry(Body&& body) {
   try {
     return body();
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
+  } catch (const std::exception& err) {
+    set_python_error(err);
+    return nullptr;
   }
 }
 

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "module_walk.h"
 #include "prepared_update.h"
 
 namespace fused_ema {
@@ -73,9 +74,19 @@ void prepared_add_copies(int64_t handle, at::TensorList dst, at::TensorList src,
   found(handle)->add_copies(dst.vec(), src.vec(), staging);
 }
 
-// Sets the Python error of a C++ exception: ValueError, TypeError, IndexError, NotImplementedError
-// or RuntimeError, as torch's own bindings map them, with the message and no C++ backtrace.
+// The GIL released while this lives, however its scope is left.
+struct WithoutGil {
+  PyThreadState* state = PyEval_SaveThread();
+  ~WithoutGil() { PyEval_RestoreThread(state); }
+};
+
+}  // namespace
+
 void set_python_error(const std::exception& err) {
+  if (dynamic_cast<const std::bad_alloc*>(&err) != nullptr) {
+    PyErr_NoMemory();
+    return;
+  }
   PyObject* type = PyExc_RuntimeError;
   const char* message = err.what();
   if (const auto* e = dynamic_cast<const c10::Error*>(&err)) {
@@ -92,8 +103,6 @@ void set_python_error(const std::exception& err) {
   }
   PyErr_SetString(type, message);
 }
-
-}  // namespace
 
 std::shared_ptr<PreparedUpdate> find_prepared(int64_t handle) {
   Registry& r = registry();
@@ -130,21 +139,14 @@ PyObject* python_run_prepared(PyObject* /*module*/, PyObject* const* args, Py_ss
                  static_cast<long long>(handle), static_cast<long long>(mode));
     return nullptr;
   }
-  bool ran = false;
-  bool failed = false;
-  PyThreadState* state = PyEval_SaveThread();
-  try {
-    ran = prepared->run(static_cast<StepMode>(mode), step, replan != 0);
-  } catch (const std::exception& err) {
-    PyEval_RestoreThread(state);
-    set_python_error(err);
-    failed = true;
-  }
-  if (failed) {
-    return nullptr;
-  }
-  PyEval_RestoreThread(state);
-  return PyBool_FromLong(ran);
+  return python_entry([&]() -> PyObject* {
+    bool ran = false;
+    {
+      const WithoutGil released;
+      ran = prepared->run(static_cast<StepMode>(mode), step, replan != 0);
+    }
+    return PyBool_FromLong(ran);
+  });
 }
 
 PyObject* python_prepared_runs(PyObject* /*module*/, PyObject* handle) {
