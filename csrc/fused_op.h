@@ -38,6 +38,11 @@ struct FusedWeights {
   int64_t stride = 0;
 };
 
+// lerp_stochastic_ and lerp_many_stochastic_.
+inline bool is_stochastic(FusedKind kind) {
+  return kind == FusedKind::kLerpStochastic || kind == FusedKind::kLerpManyStochastic;
+}
+
 // Stochastic rounding (stochastic_round.h): track k's tensor i rounds with seed seeds[k], key
 // keys[k * tensors + i] and offset offsets[i].
 struct FusedRounding {
@@ -56,9 +61,7 @@ struct FusedCall {
   FusedWeights weights;
   FusedRounding rounding;  // the stochastic kinds'
 
-  bool stochastic() const {
-    return kind == FusedKind::kLerpStochastic || kind == FusedKind::kLerpManyStochastic;
-  }
+  bool stochastic() const { return is_stochastic(kind); }
   // bema_'s epilogue: per source, ema and theta0 lerp with weights[0] and weights[1], then
   // out = ema + weights[2] * (src - theta0) from their new values.
   bool bema() const { return kind == FusedKind::kBema; }

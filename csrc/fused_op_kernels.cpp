@@ -11,15 +11,6 @@
 namespace fused_ema {
 namespace {
 
-// A dispatcher list as the planner's borrowed tensors.
-std::vector<const at::Tensor*> refs_of(at::TensorList tensors) {
-  std::vector<const at::Tensor*> out(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    out[i] = &tensors[i];
-  }
-  return out;
-}
-
 // kRun: plan and run the call; else only its checks (a fake kernel's twin, fused_op.h).
 template <bool kRun>
 void fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src) {

@@ -19,6 +19,15 @@ namespace fused_ema {
 // Borrowed tensors: a call's lists, or a prepared update's, without touching reference counts.
 using TensorRefs = c10::ArrayRef<const at::Tensor*>;
 
+// A list's tensors as TensorRefs, valid while the list lives.
+inline std::vector<const at::Tensor*> refs_of(at::TensorList tensors) {
+  std::vector<const at::Tensor*> out(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    out[i] = &tensors[i];
+  }
+  return out;
+}
+
 // One (ema, src) pair as a kernel sees it: dense memory with the same layout on both sides.
 struct FlatPair {
   void* ema;

@@ -18,8 +18,6 @@ bool walk_cache_fresh(PyObject* cache, PyObject* model);  // python_walk_cache.c
 
 namespace {
 
-constexpr const char* kOp = "fused_ema.prepared_update: ";
-
 struct Registry {
   std::mutex mutex;
   std::unordered_map<int64_t, std::shared_ptr<PreparedUpdate>> items;
@@ -42,7 +40,7 @@ int64_t prepared_new(at::TensorList schedules) {
 
 std::shared_ptr<PreparedUpdate> found(int64_t handle) {
   std::shared_ptr<PreparedUpdate> prepared = find_prepared(handle);
-  TORCH_CHECK_VALUE(prepared != nullptr, kOp, "no prepared update ", handle);
+  TORCH_CHECK_VALUE(prepared != nullptr, kPreparedOp, "no prepared update ", handle);
   return prepared;
 }
 
@@ -50,7 +48,7 @@ void prepared_add_call(int64_t handle, int64_t kind, at::TensorList emas, at::Te
                        const at::Tensor& weights, at::IntArrayRef joint,
                        const std::optional<at::Tensor>& step, at::IntArrayRef seeds,
                        at::IntArrayRef keys, at::IntArrayRef offsets) {
-  TORCH_CHECK_VALUE(kind >= 0 && kind <= static_cast<int64_t>(FusedKind::kBema), kOp,
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= static_cast<int64_t>(FusedKind::kBema), kPreparedOp,
                     "unknown kind ", kind);
   PreparedCall call;
   call.kind = static_cast<FusedKind>(kind);
@@ -58,9 +56,8 @@ void prepared_add_call(int64_t handle, int64_t kind, at::TensorList emas, at::Te
   call.src = src.vec();
   call.weights = weights;
   call.joint = joint.vec();
-  const bool stochastic =
-      call.kind == FusedKind::kLerpStochastic || call.kind == FusedKind::kLerpManyStochastic;
-  TORCH_CHECK_VALUE(step.has_value() == stochastic, kOp, "a step goes with the stochastic kinds");
+  TORCH_CHECK_VALUE(step.has_value() == is_stochastic(call.kind), kPreparedOp,
+                    "a step goes with the stochastic kinds");
   if (step.has_value()) {
     call.step = *step;
   }

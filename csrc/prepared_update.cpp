@@ -17,8 +17,6 @@
 namespace fused_ema {
 namespace {
 
-constexpr const char* kOp = "fused_ema.prepared_update: ";
-
 // Tensors ahead whose TensorImpl, then storage, are prefetched by unchanged(): after an update of
 // a large model its metadata has left the cache. Only these hints know the objects' sizes (the
 // check reads them through at::Tensor); without them 20,000 x 1,000 updates cost about 0.5 ms more.
@@ -46,26 +44,14 @@ TensorState state_of(const at::Tensor& t) {
   return state;
 }
 
-std::vector<const at::Tensor*> refs(const std::vector<at::Tensor>& tensors) {
-  std::vector<const at::Tensor*> out;
-  out.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) {
-    out.push_back(&t);
-  }
-  return out;
-}
-
 // The call as the driver takes it. Its weights and step are read anew; seeds, keys and offsets
 // are checked where the call is planned.
 FusedCall fused_call_of(const PreparedCall& call) {
-  FusedCall fused{call.kind, call.src.size(), checked_weights(call.kind, call.weights)};
-  if (fused.stochastic()) {
-    read_step(fused.rounding, call.step, kOp);
-    fused.rounding.seeds = call.seeds;
-    fused.rounding.keys = call.keys;
-    fused.rounding.offsets = call.offsets;
+  if (is_stochastic(call.kind)) {
+    return stochastic_call(call.kind, call.src.size(), call.weights, call.step, call.seeds,
+                           call.keys, call.offsets);
   }
-  return fused;
+  return {call.kind, call.src.size(), checked_weights(call.kind, call.weights)};
 }
 
 void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
@@ -85,7 +71,7 @@ void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tenso
 
 PreparedUpdate::PreparedUpdate(std::vector<at::Tensor> schedules)
     : schedules_(std::move(schedules)) {
-  TORCH_CHECK_VALUE(schedules_.size() % 3 == 0, kOp,
+  TORCH_CHECK_VALUE(schedules_.size() % 3 == 0, kPreparedOp,
                     "schedules holds (step, out, config) triples, got ", schedules_.size(),
                     " tensors");
   for (size_t s = 0; s < schedules_.size(); s += 3) {
@@ -95,10 +81,11 @@ PreparedUpdate::PreparedUpdate(std::vector<at::Tensor> schedules)
 
 void PreparedUpdate::add_call(PreparedCall call) {
   const size_t n = call.src.size();
-  TORCH_CHECK_VALUE(n == 0 ? call.emas.empty() : call.emas.size() % n == 0, kOp, "emas has ",
-                    call.emas.size(), " tensors, not a multiple of the ", n, " sources");
+  TORCH_CHECK_VALUE(n == 0 ? call.emas.empty() : call.emas.size() % n == 0, kPreparedOp,
+                    "emas has ", call.emas.size(), " tensors, not a multiple of the ", n,
+                    " sources");
   for (const int64_t s : call.joint) {
-    TORCH_CHECK_VALUE(s >= 0 && static_cast<size_t>(s) < schedules_.size() / 3, kOp,
+    TORCH_CHECK_VALUE(s >= 0 && static_cast<size_t>(s) < schedules_.size() / 3, kPreparedOp,
                       "joint names schedule ", s, " of ", schedules_.size() / 3);
   }
   for (const at::Tensor& t : call.emas) {
@@ -110,11 +97,11 @@ void PreparedUpdate::add_call(PreparedCall call) {
 
 void PreparedUpdate::add_copies(std::vector<at::Tensor> dst, std::vector<at::Tensor> src,
                                 bool staging) {
-  TORCH_CHECK_VALUE(dst.size() == src.size(), kOp, "copies: ", dst.size(), " targets but ",
+  TORCH_CHECK_VALUE(dst.size() == src.size(), kPreparedOp, "copies: ", dst.size(), " targets but ",
                     src.size(), " sources");
   Copies& copies = staging ? staging_ : copies_;
   for (size_t i = 0; i < dst.size(); ++i) {
-    TORCH_CHECK_VALUE(dst[i].defined() && src[i].defined(), kOp, "copies: tensor ", i,
+    TORCH_CHECK_VALUE(dst[i].defined() && src[i].defined(), kPreparedOp, "copies: tensor ", i,
                       " is undefined");
     copies.dst.push_back(std::move(dst[i]));
     copies.src.push_back(std::move(src[i]));
@@ -164,7 +151,7 @@ void PreparedUpdate::plan() {
   bool reusable = true;
   for (PreparedCall& call : calls_) {
     call.plans.clear();
-    call.plans = plan_fused_call(fused_call_of(call), refs(call.emas), refs(call.src));
+    call.plans = plan_fused_call(fused_call_of(call), refs_of(call.emas), refs_of(call.src));
     for (const DevicePlan& p : call.plans) {
       reusable &= p.stand_ins.empty() && p.write_backs.empty();
     }
@@ -177,9 +164,9 @@ void PreparedUpdate::plan() {
   }
   for (const Copies* copies : {&staging_, &copies_}) {
     for (size_t i = 0; i < copies->dst.size(); ++i) {
-      TORCH_CHECK_VALUE(copies->dst[i].sizes() == copies->src[i].sizes(), kOp, "copies: source ", i,
-                        " has shape ", copies->src[i].sizes(), " but its target has ",
-                        copies->dst[i].sizes());
+      TORCH_CHECK_VALUE(copies->dst[i].sizes() == copies->src[i].sizes(), kPreparedOp,
+                        "copies: source ", i, " has shape ", copies->src[i].sizes(),
+                        " but its target has ", copies->dst[i].sizes());
       watched_.push_back(&copies->dst[i]);
       watched_.push_back(&copies->src[i]);
     }

@@ -15,6 +15,8 @@
 
 namespace fused_ema {
 
+inline constexpr const char* kPreparedOp = "fused_ema.prepared_update: ";
+
 // What a run does to the step counters before averaging.
 enum class StepMode : int64_t {
   kAdvance = 0,  // update(model): each counter moves on by one
