@@ -5,7 +5,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
@@ -52,19 +51,6 @@ FusedCall fused_call_of(const PreparedCall& call) {
                            call.keys, call.offsets);
   }
   return {call.kind, call.src.size(), checked_weights(call.kind, call.weights)};
-}
-
-void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
-                  bool advance) {
-  if (step.is_cpu()) {
-    ema_schedule_cpu(step, out, config, advance);
-    return;
-  }
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fused_ema::ema_schedule_", "")
-          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
-  op.call(step, out, config, advance);
 }
 
 }  // namespace

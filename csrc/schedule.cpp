@@ -30,7 +30,25 @@ constexpr const char* kFieldRules[kNumConfigFields] = {
     "bias_power must be finite and >= 0 with BEMA, 0 otherwise",
 };
 
+// By device type.
+ScheduleKernel* kernels() {
+  static ScheduleKernel table[static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)];
+  return table;
+}
+
 }  // namespace
+
+bool register_schedule_kernel(c10::DeviceType type, ScheduleKernel kernel) {
+  kernels()[static_cast<size_t>(type)] = kernel;
+  return true;
+}
+
+void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
+                  bool advance) {
+  const ScheduleKernel kernel = kernels()[static_cast<size_t>(step.device().type())];
+  TORCH_CHECK(kernel != nullptr, kOp, "no kernel for tensors on ", step.device());
+  kernel(step, out, config, advance);
+}
 
 void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
                             const at::Tensor& config) {
@@ -60,6 +78,8 @@ Schedule check_schedule_config(const double* config) {
   return schedule_from_config(config);
 }
 
+namespace {
+
 void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
                       bool advance) {
   check_schedule_tensors(step, out, config);
@@ -73,6 +93,11 @@ void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::T
   o[0] = w.weight;
   o[1] = w.decay;
 }
+
+[[maybe_unused]] const bool kRegistered =
+    register_schedule_kernel(c10::DeviceType::CPU, &ema_schedule_cpu);
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ema, CPU, m) { m.impl("ema_schedule_", &ema_schedule_cpu); }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
 
 #include "schedule_formula.h"
 
@@ -11,9 +12,15 @@ namespace fused_ema {
 void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
                             const at::Tensor& config);
 
-// The CPU kernel (a prepared update calls it directly; other devices go through the dispatcher).
-void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
-                      bool advance);
+// The kernel of one device type, registered by its file (cuda/schedule_cuda.cu for CUDA) so that
+// a prepared update runs it without the dispatcher. Returns true.
+using ScheduleKernel = void (*)(const at::Tensor& step, const at::Tensor& out,
+                                const at::Tensor& config, bool advance);
+bool register_schedule_kernel(c10::DeviceType type, ScheduleKernel kernel);
+
+// ema_schedule_ by the kernel of step's device.
+void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
+                  bool advance);
 
 // Every field of a host config against the contract; a ValueError names the first bad one.
 Schedule check_schedule_config(const double* config);

@@ -29,6 +29,9 @@ void ema_schedule_cuda(const at::Tensor& step, const at::Tensor& out, const at::
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+[[maybe_unused]] const bool kRegistered =
+    register_schedule_kernel(c10::DeviceType::CUDA, &ema_schedule_cuda);
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ema, CUDA, m) { m.impl("ema_schedule_", &ema_schedule_cuda); }
