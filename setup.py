@@ -49,7 +49,6 @@ CPU_SOURCES = [
     "csrc/cpu/cpu_isa.cpp",
     "csrc/cpu/fused_cpu.cpp",
     "csrc/cpu/lerp_span_default.cpp",
-    "csrc/testing/stochastic_round_testing.cpp",
     "csrc/testing/testing_ops.cpp",
 ]
 HEADERS = sorted(

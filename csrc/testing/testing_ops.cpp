@@ -1,10 +1,16 @@
 // Test-only operators, in a library of their own (torch.ops.fused_ema_testing) so that neither
 // fused_ema._C nor torch.ops.fused_ema carries them; fused_ema/_ext/testing.py wraps them.
+// sr_words and stochastic_round let tests compare stochastic_round.h's random stream and rounding
+// bit for bit with a Python reference.
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+
+#include "../stochastic_round.h"
 
 #ifndef FUSED_EMA_WITH_CUDA
 #define FUSED_EMA_WITH_CUDA 0
@@ -17,12 +23,48 @@ bool small_params(int set);  // set < 0: read only; returns the previous setting
 #endif
 
 namespace fused_ema::testing {
-// stochastic_round_testing.cpp
-at::Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t n);
-at::Tensor stochastic_round(const at::Tensor& values, const std::string& dtype, int64_t seed,
-                            int64_t step, int64_t key, int64_t offset);
-
 namespace {
+
+// sr_words(seed, step, key, offset, n) -> int32 tensor: the 16 random bits of elements offset ..
+// offset + n - 1 of tensor `key` at (seed, step). seed, step and offset are taken modulo 2**64
+// (two's complement), key modulo 2**32.
+at::Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  at::Tensor out = at::empty({n}, at::kInt);
+  int32_t* words = out.mutable_data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    words[i] = static_cast<int32_t>(
+        sr::element_word(static_cast<uint64_t>(seed), static_cast<uint64_t>(step),
+                         static_cast<uint32_t>(key), static_cast<uint64_t>(offset + i)));
+  }
+  return out;
+}
+
+// stochastic_round(values: float32 CPU tensor, "bfloat16" | "float16", seed, step, key, offset)
+// -> tensor: element i rounded with the word of element offset + i. seed, step and offset are
+// taken modulo 2**64 (two's complement), key modulo 2**32.
+at::Tensor stochastic_round(const at::Tensor& values_in, const std::string& dtype, int64_t seed,
+                            int64_t step, int64_t key, int64_t offset) {
+  const at::Tensor values = values_in.contiguous();
+  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat && values.is_cpu(),
+                    "values must be a float32 CPU tensor");
+  const bool bf16 = dtype == "bfloat16";
+  TORCH_CHECK_VALUE(bf16 || dtype == "float16", "dtype must be 'bfloat16' or 'float16', got ",
+                    dtype);
+  at::Tensor out =
+      at::empty(values.sizes(), values.options().dtype(bf16 ? at::kBFloat16 : at::kHalf));
+  const float* in = values.const_data_ptr<float>();
+  auto* bits = static_cast<uint16_t*>(out.mutable_data_ptr());
+  const auto offset_u = static_cast<uint64_t>(offset);
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    uint32_t x = 0;
+    std::memcpy(&x, in + i, sizeof(x));
+    const uint32_t word = sr::element_word(static_cast<uint64_t>(seed), static_cast<uint64_t>(step),
+                                           static_cast<uint32_t>(key), offset_u + i);
+    bits[i] = bf16 ? sr::round_bf16(x, word) : sr::round_f16(x, word);
+  }
+  return out;
+}
 
 // Keeps CUDA launches at 4 KB of parameters (set = 1) or lets them take 32 KB where the device
 // allows (set = 0) and returns the previous setting; set < 0 only reads it.
