@@ -63,39 +63,27 @@ std::string join(const std::vector<std::string>& names) {
 }
 
 // A weight in messages: lerp_'s "weight", lerp_many_'s "weights[k]", bema_'s "weights[k] (beta)".
-struct WeightName {
-  FusedKind kind;
-  size_t k;
-};
-
-std::ostream& operator<<(std::ostream& out, const WeightName& name) {
-  if (one_list(name.kind)) {
-    return out << "weight";
+std::string weight_name(FusedKind kind, size_t k) {
+  if (one_list(kind)) {
+    return "weight";
   }
-  out << "weights[" << name.k << "]";
-  return name.kind == FusedKind::kBema ? out << " (" << kBemaWeights[name.k] << ")" : out;
+  const std::string name = "weights[" + std::to_string(k) + "]";
+  return kind == FusedKind::kBema ? name + " (" + kBemaWeights[k] + ")" : name;
 }
 
 // A key in messages: keys[i] of lerp_stochastic_, keys[k][i] of lerp_many_stochastic_.
-struct KeyName {
-  bool one_list;
-  size_t index;
-  size_t tensors;
-};
-
-std::ostream& operator<<(std::ostream& out, const KeyName& name) {
-  if (name.one_list) {
-    return out << "keys[" << name.index << "]";
-  }
-  return out << "keys[" << name.index / name.tensors << "][" << name.index % name.tensors << "]";
+std::string key_name(bool one, size_t index, size_t tensors) {
+  return one ? "keys[" + std::to_string(index) + "]"
+             : "keys[" + std::to_string(index / tensors) + "][" + std::to_string(index % tensors) +
+                   "]";
 }
 
 // A weight known on the host: finite, and within float32's range.
 FusedWeights host_weights(FusedKind kind, std::vector<double> values) {
   for (size_t k = 0; k < values.size(); ++k) {
-    TORCH_CHECK_VALUE(std::isfinite(values[k]), text(kind).op, WeightName{kind, k},
+    TORCH_CHECK_VALUE(std::isfinite(values[k]), text(kind).op, weight_name(kind, k),
                       " must be finite, got ", values[k]);
-    TORCH_CHECK_VALUE(fits_float(values[k]), text(kind).op, WeightName{kind, k},
+    TORCH_CHECK_VALUE(fits_float(values[k]), text(kind).op, weight_name(kind, k),
                       " must fit a float32, got ", values[k]);
   }
   FusedWeights weights;
@@ -153,7 +141,7 @@ void check_rounding(const FusedCall& call, TensorRefs emas, TensorRefs src) {
   TORCH_CHECK_VALUE(r.offsets.size() == tensors, op, "offsets has ", r.offsets.size(),
                     " entries but ", one ? "ema" : "src", " has ", tensors, " tensors");
   for (size_t j = 0; j < r.keys.size(); ++j) {
-    TORCH_CHECK_VALUE(r.keys[j] >= 0 && r.keys[j] <= kMaxKey, op, KeyName{one, j, tensors}, " is ",
+    TORCH_CHECK_VALUE(r.keys[j] >= 0 && r.keys[j] <= kMaxKey, op, key_name(one, j, tensors), " is ",
                       r.keys[j], "; keys are 32-bit: 0 <= key <= ", kMaxKey);
   }
   // lerp_stochastic_ names each tensor by its ema, lerp_many_stochastic_ by its (shared) src.
