@@ -108,15 +108,6 @@ class Scratch {
   }
 };
 
-// The memory of a tensor, [lo, hi) in bytes, and its index in the caller's lists.
-struct Interval {
-  uintptr_t lo;
-  uintptr_t hi;
-  int64_t index;
-
-  bool operator==(const Interval& o) const { return lo == o.lo && hi == o.hi && index == o.index; }
-};
-
 // A check of a finished plan that may still refuse the call (throws).
 using PlanCheck = c10::function_ref<void(const DevicePlan&)>;
 
@@ -133,66 +124,14 @@ struct PairNames {
 // a supported dtype pair, one shape, no internal overlap, no autograd. Metadata only.
 void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairNames& names);
 
-// Checks (ema, src) pairs one at a time and flattens them into per-device plans; nothing is
-// written until finish(). It serves every call of the family (plan_pairs). Pairs must be added in
-// index order; the tensors must outlive finish().
-class LerpPlanner {
- public:
-  // row_major: every span lists its ema's elements in row-major order (lerp_stochastic_ numbers
-  // them), so a non-contiguous ema is computed in a contiguous stand-in and written back.
-  LerpPlanner(size_t count, bool row_major, PairNames names = {});
-  LerpPlanner(const LerpPlanner&) = delete;
-  LerpPlanner& operator=(const LerpPlanner&) = delete;
-  ~LerpPlanner();
-
-  // Validates devices, layouts, dtype pair, shapes and autograd state of the next pair, naming
-  // its index if one is wrong.
-  void add(const at::Tensor& e, const at::Tensor& s) { add(e, s, next_); }
-  // The same for the pair at `index` (< count, each index once; plans keep the order of adds).
-  void add(const at::Tensor& e, const at::Tensor& s, size_t index);
-
-  // Checks memory overlap and calls `check` on each device's plan (the caller's checks that need
-  // the devices: a kernel for it, the weight's device); then, every check passed, makes the
-  // stand-ins and bumps the version counters of the ema tensors. Returns one plan per device,
-  // in order of appearance.
-  std::vector<DevicePlan> finish(PlanCheck check);
-
- private:
-  struct StandIn {
-    const at::Tensor* ema;
-    const at::Tensor* src;
-    uint32_t index;
-  };
-  // Per device: the plan under construction, the address ranges, and the pairs left for
-  // stand-ins.
-  struct DeviceWork {
-    explicit DeviceWork(c10::Device d) : plan(d) {}
-    DevicePlan plan;
-    std::vector<Interval> ema_ranges;
-    std::vector<Interval> src_ranges;
-    std::vector<StandIn> stand_ins;
-    size_t pair_count = 0;  // plan.pairs is sized for every pair until finish()
-  };
-
-  DeviceWork& work_for(c10::Device device);
-
-  size_t count_;
-  size_t next_ = 0;
-  bool row_major_;
-  PairNames names_;
-  std::vector<DeviceWork> work_;
-  size_t current_ = 0;
-  // The first device's buffers and the EMAs whose versions move come from per-thread pools.
-  Scratch<Interval, 0> first_ema_ranges_;
-  Scratch<Interval, 1> first_src_ranges_;
-  Scratch<c10::TensorImpl*, 0> bumped_;
-};
-
-// The planner over a call's pairs: `emas` holds the tracks one after another (track k's tensor i at
-// k * src.size() + i), each as long as src; lists of 2,048 and more get their metadata prefetched.
-// Pairs are added track by track, each list walked in order (planning 20,000 small tensors in 4
-// tracks took 15% longer tensor by tensor, with five lists walked side by side). `names` says how
-// errors name the tracks.
+// Checks the (ema, src) pairs of a call and flattens them into per-device plans, one per device in
+// order of appearance: `emas` holds the tracks one after another (track k's tensor i at
+// k * src.size() + i), each as long as src; `names` says how errors name them. Then checks memory
+// overlap and calls `check` on each plan (the caller's checks that need the devices: a kernel for
+// it, the weights' device). Only once every check has passed are stand-ins made (row_major: every
+// span lists its ema's elements in row-major order, as stochastic rounding numbers them, so a
+// non-contiguous ema is computed in a contiguous stand-in and written back) and the EMAs' version
+// counters bumped. The tensors must outlive the plans.
 std::vector<DevicePlan> plan_pairs(TensorRefs emas, TensorRefs src, bool row_major, PlanCheck check,
                                    PairNames names);
 
