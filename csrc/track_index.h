@@ -8,8 +8,7 @@
 namespace fused_ema {
 
 // The track k and tensor i of a pair's FlatPair::index, k * tensors + i, by a multiply and a shift
-// (Lemire's fastdiv for 32-bit values): a division per pair and use showed in the profile of
-// 20,000 small tensors.
+// (Lemire's fastdiv for 32-bit values): a division per pair shows in profiles of 20,000 tensors.
 class TrackIndex {
  public:
   explicit TrackIndex(size_t tensors)

@@ -214,10 +214,9 @@ struct LerpOp {
   using Bound = LerpTrack<E, S, kStochastic>;
   static constexpr int kTracks = K;
   static constexpr int kPack = 16 / (sizeof(E) < sizeof(S) ? sizeof(E) : sizeof(S));
-  // Packs in flight: one under stochastic rounding (as under the Philox stream it replaced, which
-  // needed the registers; more is for a GPU session to measure); two for a 16-bit EMA of a float32
-  // model (32-byte source packs), and for 16-bit pairs over several tracks (the source packs stay
-  // live through every track's: four spilled within 64 registers on sm_80).
+  // Packs in flight: one under stochastic rounding (more is unmeasured); two for a 16-bit EMA of a
+  // float32 model (32-byte source packs), and for 16-bit pairs over several tracks (the source
+  // packs stay live through every track's: four spill within 64 registers on sm_80).
   static constexpr bool kTwoPacks = sizeof(S) > sizeof(E) ||
                                     (K > 1 && sizeof(E) == 2 && sizeof(S) == 2);
   static constexpr int kIlp = kStochastic ? 1 : kTwoPacks ? 2 : kILP;
