@@ -306,12 +306,12 @@ def test_non_blocking_updates_and_their_snapshots_equal_blocking_ones(tmp_path):
 
 
 def test_a_snapshot_that_cannot_be_written_is_reported_by_the_next_call(tmp_path, monkeypatch):
-    import fused_ema.posthoc.snapshotting as snapshotting
+    import fused_ema.posthoc.snapshots as snapshots
 
     def broken(path, tensors, metadata):
         raise OSError("disk full")
 
-    monkeypatch.setattr(snapshotting, "write_snapshot", broken)
+    monkeypatch.setattr(snapshots, "write_snapshot", broken)
     model = net()
     ph = PostHocEma(model, (0.1,), snapshot_every=1, snapshot_dir=tmp_path)
     ph.update(model)

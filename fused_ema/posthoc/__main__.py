@@ -11,11 +11,14 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from .snapshots import SnapshotError, atomic_save
+from ..checkpoint import atomic_write
+from .snapshots import SnapshotError
 from .synthesis import Synthesis, solve_coefficients, synthesize
 
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "float16", "bfloat16")}
+CHOSEN = ("sigma_rel", "gamma", "step", "tracked_sigma_rels", "tracked_gammas")  # as the library's
 
 
 def _floats(text: str) -> list[float]:
@@ -75,13 +78,7 @@ def plot_profiles(plan: Synthesis, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    chosen = dict(
-        sigma_rel=args.sigma_rel,
-        gamma=args.gamma,
-        step=args.step,
-        tracked_sigma_rels=args.tracked_sigma_rels,
-        tracked_gammas=args.tracked_gammas,
-    )
+    chosen = {name: getattr(args, name) for name in CHOSEN}
     try:
         if not args.out.parent.is_dir():
             raise FileNotFoundError(f"no folder {args.out.parent} to write --out into")
@@ -94,13 +91,8 @@ def main(argv=None) -> int:
             progress=importlib.util.find_spec("tqdm") is not None,
             **chosen,
         )
-        metadata = {
-            "sigma_rel": repr(plan.sigma_rel),
-            "gamma": repr(plan.gamma),
-            "step": str(plan.step),
-            "fit_error": repr(plan.fit_error),
-        }
-        atomic_save(args.out, state, metadata)
+        metadata = {k: repr(getattr(plan, k)) for k in ("sigma_rel", "gamma", "step", "fit_error")}
+        atomic_write(args.out, lambda tmp: save_file(state, tmp, metadata=metadata))
         if args.plot is not None:
             plot_profiles(plan, args.plot)
     except (SnapshotError, ValueError, TypeError, OSError) as err:

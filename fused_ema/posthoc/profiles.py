@@ -42,10 +42,6 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 SIGMA_REL_MAX = gamma_to_sigma_rel(GAMMA_MIN)  # about 0.3003
 
 
-def _log_sigma_rel(gamma: float) -> float:
-    return 0.5 * (math.log(gamma + 1.0) - math.log(gamma + 3.0)) - math.log(gamma + 2.0)
-
-
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """The exponent gamma >= GAMMA_MIN whose profile has relative width sigma_rel, for 0 < sigma_rel
     <= SIGMA_REL_MAX (about 0.3003): the largest real root of gamma^3 + 7 gamma^2 + (16 - s^-2)
@@ -74,7 +70,8 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
         slope = 0.5 * (1.0 / (gamma + 1.0) - 2.0 / (gamma + 2.0) - 1.0 / (gamma + 3.0))
         if slope >= 0.0:  # at GAMMA_MIN (to rounding): the root is there
             break
-        step = (_log_sigma_rel(gamma) - target) / slope
+        log_s = 0.5 * (math.log(gamma + 1.0) - math.log(gamma + 3.0)) - math.log(gamma + 2.0)
+        step = (log_s - target) / slope
         new = max(gamma - step, GAMMA_MIN)
         if new == gamma or abs(step) <= 4 * math.ulp(gamma):
             gamma = new

@@ -1,7 +1,7 @@
-"""The post-hoc EMA snapshot format (file names, tensors, metadata: docs/posthoc.md), shared by the
-writer (PostHocEma) and the readers: one safetensors file per (snapshot index, tracked EMA). A
-damaged file under a snapshot's name is an error naming it, never skipped: the crash-safe writer
-leaves none, and leaving it out would change every synthesis silently."""
+"""The post-hoc EMA snapshot files (names, tensors, metadata: docs/posthoc.md), one safetensors file
+per (snapshot index, tracked EMA): their readers, and PostHocEma's writer (Snapshots). A damaged
+file under a snapshot's name is an error naming it, never skipped: the crash-safe writer leaves
+none, and leaving it out would change every synthesis silently."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .._ext.worker import SNAPSHOTS, Dropped, Job
 from ..checkpoint import atomic_write
 from .profiles import gamma_to_sigma_rel
 
@@ -89,15 +90,14 @@ def snapshot_tensors(
     state: Mapping[str, torch.Tensor], snapshot_dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     """The tensors to store: CPU copies, floating-point ones in snapshot_dtype (None: their own)."""
-    return {
-        name: t.detach().to(
-            "cpu",
-            dtype=snapshot_dtype if snapshot_dtype is not None and t.is_floating_point() else None,
-            copy=True,
-            memory_format=torch.contiguous_format,
-        )
-        for name, t in state.items()
-    }
+    return {name: _host_copy(t, snapshot_dtype) for name, t in state.items()}
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype | None, non_blocking: bool = False):
+    """A contiguous CPU copy of t, in dtype if floating-point (None: its own); from CUDA with
+    non_blocking, into pinned memory in stream order (torch's to() pins it)."""
+    dtype = dtype if dtype is not None and t.is_floating_point() else None
+    return t.detach().to("cpu", dtype, non_blocking, True, memory_format=torch.contiguous_format)
 
 
 def save_snapshot(
@@ -128,33 +128,25 @@ def save_snapshot(
     return path
 
 
-def atomic_save(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """safetensors.torch.save_file of `tensors` and `metadata` to `path`, crash-safely
-    (checkpoint.atomic_write: the temporary file is a dot name that no reader lists)."""
+def write_snapshot(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Writes one snapshot file crash-safely (checkpoint.atomic_write: the temporary file is a dot
+    name that no reader lists). `metadata` is checked first as a reader checks it
+    (snapshot_metadata builds it): against the file's name and `tensors`."""
     from safetensors.torch import save_file
 
-    atomic_write(
-        path, lambda temporary: save_file(dict(tensors), temporary, metadata=dict(metadata))
-    )
-
-
-def write_snapshot(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """Writes one snapshot file crash-safely (atomic_save). `metadata` is checked first as a
-    reader checks it (snapshot_metadata builds it): against the file's name and `tensors`."""
     path = Path(path)
     parse_metadata(path, dict(metadata), list(tensors))
-    atomic_save(path, tensors, metadata)
+    atomic_write(path, lambda tmp: save_file(dict(tensors), tmp, metadata=dict(metadata)))
 
 
 def clean_temporary_files(snapshot_dir) -> list[Path]:
     """Removes the temporary files that writers killed mid-write left in snapshot_dir, and returns
     them. For a writer starting up: a writer still running in that folder would lose its file."""
-    removed = []
-    for entry in os.scandir(snapshot_dir):
-        if TEMPORARY.match(entry.name) and entry.is_file():
-            Path(entry.path).unlink(missing_ok=True)
-            removed.append(Path(entry.path))
-    return sorted(removed)
+    found = os.scandir(snapshot_dir)
+    removed = sorted(Path(e.path) for e in found if TEMPORARY.match(e.name) and e.is_file())
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
 
 
 def _whole(path: Path, key: str, text: str, minimum: int) -> int:
@@ -215,14 +207,17 @@ def parse_metadata(
     return info, names, dtypes, averaged
 
 
-def _read_header(path: Path):
+@contextmanager
+def _read(path: Path):
+    """A snapshot's open safetensors handle and parse_metadata of it, while the context lasts."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
+        opened = safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError) as err:
         raise SnapshotError(f"{path}: not a readable safetensors file ({err})") from None
-    return handle
+    with opened as handle:
+        yield handle, parse_metadata(path, handle.metadata(), list(handle.keys()))
 
 
 def list_snapshots(snapshot_dir) -> list[SnapshotInfo]:
@@ -236,8 +231,8 @@ def list_snapshots(snapshot_dir) -> list[SnapshotInfo]:
     for path in sorted(
         snapshot_dir / e.name for e in os.scandir(snapshot_dir) if NAME.match(e.name)
     ):
-        with _read_header(path) as handle:
-            found.append(parse_metadata(path, handle.metadata(), list(handle.keys()))[0])
+        with _read(path) as (_, parsed):
+            found.append(parsed[0])
     return sorted(found)
 
 
@@ -254,9 +249,151 @@ def next_index(snapshot_dir) -> int:
 @contextmanager
 def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotContents]:
     """The contents of a fused_ema snapshot, open while the context lasts (tensors read lazily)."""
-    with _read_header(info.path) as handle:
-        _, names, dtypes, averaged = parse_metadata(
-            info.path, handle.metadata(), list(handle.keys())
-        )
+    with _read(info.path) as (handle, (_, names, dtypes, averaged)):
         shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
         yield SnapshotContents(names, dtypes, shapes, averaged, handle.get_tensor)
+
+
+class Snapshots:
+    """When PostHocEma snapshots its EMAs, where to, and how: the folder checks (a fresh run never
+    overwrites another's snapshots; a resumed one continues its numbering), then each snapshot
+    staged into host tensors of the snapshot dtype and written by the snapshot worker. An update
+    waits only for the staging; a worker's error is raised by the next call."""
+
+    def __init__(self, folder, every: int, dtype: torch.dtype | None):
+        self.folder = None if folder is None else Path(folder)
+        self.every = every
+        self.dtype = dtype
+        self.next_index = 0  # the index of the next snapshot
+        self.resumed = False  # restored from a checkpoint: may replace later snapshots
+        self.checked = False  # the folder has been checked for another run's snapshots
+        self._staging: Job | None = None  # the last snapshot's staging: wait_staged() waits
+        self._written: list[Job] = []
+
+    def due(self, t: int | None) -> bool:
+        """Whether the update count `t` (None: not known yet) takes a snapshot."""
+        return self.folder is not None and t is not None and t > 0 and t % self.every == 0
+
+    def check_folder(self) -> None:
+        """A fresh PostHocEma never overwrites another run's snapshots (checked by the rank that
+        writes them: the others may already see its files)."""
+        if self.checked or not writing_rank():
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        clean_temporary_files(self.folder)  # left by a writer killed mid-write
+        found = next_index(self.folder)
+        if found > self.next_index and not self.resumed:
+            raise RuntimeError(
+                f"fused_ema.PostHocEma: {str(self.folder)!r} already holds {found} snapshots "
+                "of another run; pass an empty snapshot_dir, or load this run's checkpoint "
+                "(load_state_dict) to continue its numbering"
+            )
+        self.checked = True
+
+    def take(self, tracks, gammas, t: int, wait_for: Job | None) -> None:
+        """Snapshot `next_index` of every track at update count `t` (the folder checked first),
+        its tensors staged first: CUDA ones copied now into pinned memory in stream order, CPU
+        ones on the worker once `wait_for` (a non_blocking update still writing them) is done.
+        Two jobs of the snapshot worker, in order: the staging, then the files."""
+        self.check_folder()
+        index = self.next_index
+        self.next_index += 1
+        files, events = [], []
+        for k, track in enumerate(tracks):
+            entries, tensors = track._binding.table.entries, None
+            if track._binding.policy.shard is not None:  # gathered on rank 0 (a collective)
+                tensors = track.full_state_dict(rank=0, cpu_offload=False) or None
+            elif writing_rank():
+                tensors = {name: e.ema.detach() for e in entries for name in e.names}
+            if tensors is None:
+                continue  # another rank writes
+            copied = [
+                n for e in entries if not e.average for n in e.names if e.ema.is_floating_point()
+            ]
+            metadata = snapshot_metadata(
+                step=t,
+                gamma=gammas[k],
+                index=index,
+                ema_index=k,
+                names=list(tensors),
+                dtypes={n: v.dtype for n, v in tensors.items()},
+                copied=copied,
+            )
+            pinned, on_cpu = {}, {}  # the CPU tensors are staged on the worker
+            for name, tensor in tensors.items():
+                if tensor.device.type != "cuda":
+                    on_cpu[name] = tensor
+                    continue
+                pinned[name] = _host_copy(tensor, self.dtype, non_blocking=True)
+                events.append(torch.cuda.Event())
+                events[-1].record(torch.cuda.current_stream(tensor.device))
+            files.append((snapshot_path(self.folder, index, k), pinned, on_cpu, metadata))
+        if not files:
+            return
+        self.raise_failure()
+        self.wait_staged()
+        host: list = []
+
+        def stage() -> None:
+            # On the worker: the CPU tensors copied out of the EMA into `host`, unless the update
+            # they come from failed (it wrote nothing; its error reaches the caller).
+            if wait_for is None or wait_for.wait() is None:
+                for path, pinned, on_cpu, metadata in files:
+                    host.append(
+                        (path, {**pinned, **snapshot_tensors(on_cpu, self.dtype)}, metadata)
+                    )
+
+        def write() -> None:
+            if staging.wait() is not None:  # (run before it, unless a second thread took it)
+                if isinstance(staging.error, Dropped):
+                    return  # the call that took the snapshot was interrupted: nothing to write
+                raise staging.error
+            for event in events:
+                event.synchronize()
+            for path, tensors, metadata in host:
+                write_snapshot(path, tensors, metadata)
+
+        staging, writing = Job(stage), Job(write)
+        try:
+            self._staging = staging
+            self._written.append(writing)
+            SNAPSHOTS.put(staging)
+            SNAPSHOTS.put(writing)
+        except BaseException:
+            # Interrupted: what the worker has not begun is taken back (a dropped staging makes
+            # its write a no-op), so no staging is left that nobody will run.
+            for job in (staging, writing):
+                if job.claim():
+                    job.drop("the call that took this snapshot was interrupted")
+            raise
+
+    def wait_staged(self) -> None:
+        """Before the EMA changes: the last snapshot's tensors have been copied out of it."""
+        if self._staging is not None:
+            self._staging.wait()
+
+    def flush(self) -> None:
+        """Waits until every snapshot taken is on disk; raises the first failure."""
+        for job in self._written:
+            job.wait()
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Raises the error of a snapshot that could not be written (once), dropping those done."""
+        done = [j for j in self._written if j.done()]
+        self._written = [j for j in self._written if not j.done()]
+        for job in done:
+            if job.error is not None:
+                raise RuntimeError(
+                    f"fused_ema: a PostHocEma snapshot was not written: {job.error}"
+                ) from job.error
+
+    def __getstate__(self) -> dict:  # (a copy: the snapshots taken so far on disk first)
+        self.flush()
+        return {**self.__dict__, "checked": False, "_staging": None, "_written": []}
+
+
+def writing_rank() -> bool:
+    """Under torch.distributed, rank 0 writes the snapshots (every rank holds the same EMAs)."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -10,7 +10,6 @@ import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,7 @@ from .profiles import (
     power_profile,
     sigma_rel_to_gamma,
 )
-from .snapshots import NAME, SnapshotError, SnapshotInfo, list_snapshots, open_snapshot
+from .snapshots import SnapshotError, SnapshotInfo, list_snapshots, open_snapshot
 
 OPENERS = {"fused_ema": open_snapshot, migrate.SOURCE: migrate.open_ema_pytorch_snapshot}
 
@@ -58,30 +57,21 @@ def resolve_snapshots(
     SnapshotInfo as it is."""
     if not isinstance(snapshot_dir, (str, os.PathLike)):
         return sorted(snapshot_dir)
-    folder = Path(snapshot_dir)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no snapshot folder {folder}")
-    names = [e.name for e in os.scandir(folder)]
-    if any(migrate.NAME.match(name) for name in names):
-        if any(NAME.match(name) for name in names):
-            raise SnapshotError(
-                f"{folder} holds both fused_ema snapshots and ema-pytorch checkpoints"
+    snapshots = list_snapshots(snapshot_dir)  # (FileNotFoundError if there is no such folder)
+    if not any(migrate.NAME.match(e.name) for e in os.scandir(snapshot_dir)):
+        if tracked_sigma_rels is not None or tracked_gammas is not None:
+            raise ValueError(
+                "tracked_sigma_rels / tracked_gammas are for ema-pytorch folders only: fused_ema "
+                "snapshots record their own"
             )
-        return migrate.list_ema_pytorch_snapshots(
-            folder, sigma_rels=tracked_sigma_rels, gammas=tracked_gammas
-        )
-    if tracked_sigma_rels is not None or tracked_gammas is not None:
-        raise ValueError(
-            "tracked_sigma_rels / tracked_gammas are for ema-pytorch folders only: fused_ema "
-            "snapshots record their own"
-        )
-    snapshots = list_snapshots(folder)
-    if not snapshots:
+        return snapshots
+    if snapshots:
         raise SnapshotError(
-            f"{folder} holds no snapshots (files NNNNNN-emaK.safetensors, or ema-pytorch's "
-            "K.STEP.pt)"
+            f"{snapshot_dir} holds both fused_ema snapshots and ema-pytorch checkpoints"
         )
-    return snapshots
+    return migrate.list_ema_pytorch_snapshots(
+        snapshot_dir, sigma_rels=tracked_sigma_rels, gammas=tracked_gammas
+    )
 
 
 def _check_history(snapshots: Sequence[SnapshotInfo]) -> None:
@@ -126,7 +116,10 @@ def solve_coefficients(
         snapshot_dir, tracked_sigma_rels=tracked_sigma_rels, tracked_gammas=tracked_gammas
     )
     if not snapshots:
-        raise SnapshotError("no snapshots to synthesize from")
+        raise SnapshotError(
+            f"{snapshot_dir} holds no snapshots (files NNNNNN-emaK.safetensors, or ema-pytorch's "
+            "K.STEP.pt)"
+        )
     _check_history(snapshots)
     steps = sorted({info.step for info in snapshots})
     if step is None:
@@ -146,23 +139,6 @@ def solve_coefficients(
         [s.step for s in used], [s.gamma for s in used], step, gamma
     )
     return Synthesis(step, gamma, sigma_rel, tuple(used), tuple(coefficients.tolist()), fit_error)
-
-
-def _check_alike(first: SnapshotInfo, reference, info: SnapshotInfo, contents) -> None:
-    if contents.names != reference.names or contents.shapes != reference.shapes:
-        names = set(contents.names) ^ set(reference.names) or {
-            n for n in contents.names if contents.shapes[n] != reference.shapes.get(n)
-        }
-        raise SnapshotError(
-            f"{info.path} and {first.path} hold different tensors (names or shapes differ: "
-            f"{', '.join(sorted(names)[:5]) or 'their order'})"
-        )
-    if contents.averaged != reference.averaged:
-        names = sorted(contents.averaged ^ reference.averaged)
-        raise SnapshotError(
-            f"{info.path} and {first.path}: averaged in one, copied in the other: "
-            f"{', '.join(names[:5])}"
-        )
 
 
 def synthesize(
@@ -195,14 +171,24 @@ def synthesize(
         tracked_sigma_rels=tracked_sigma_rels,
         tracked_gammas=tracked_gammas,
     )
-    first = plan.snapshots[0]
-    with OPENERS[first.source](first) as reference:  # headers only: mismatches before any sum
-        pass
-    latest = reference
-    for info in plan.snapshots[1:]:
-        with OPENERS[info.source](info) as contents:
-            _check_alike(first, reference, info, contents)
-        latest = contents
+    first, reference = plan.snapshots[0], None
+    for info in plan.snapshots:  # headers only: mismatches before any sum
+        with OPENERS[info.source](info) as latest:
+            reference = reference or latest
+        if latest.names != reference.names or latest.shapes != reference.shapes:
+            names = set(latest.names) ^ set(reference.names) or {
+                n for n in latest.names if latest.shapes[n] != reference.shapes.get(n)
+            }
+            raise SnapshotError(
+                f"{info.path} and {first.path} hold different tensors (names or shapes differ: "
+                f"{', '.join(sorted(names)[:5]) or 'their order'})"
+            )
+        if latest.averaged != reference.averaged:
+            names = sorted(latest.averaged ^ reference.averaged)
+            raise SnapshotError(
+                f"{info.path} and {first.path}: averaged in one, copied in the other: "
+                f"{', '.join(names[:5])}"
+            )
     sums: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     files = zip(plan.snapshots, plan.coefficients)
@@ -212,15 +198,12 @@ def synthesize(
         files = tqdm(files, total=len(plan.snapshots), desc="synthesizing", unit="file")
     for info, c in files:
         with OPENERS[info.source](info) as contents:
-            for name in filter(contents.averaged.__contains__, contents.names):
-                x = contents.get(name)
-                if name not in sums:
-                    sums[name] = torch.zeros(x.shape, dtype=torch.float64)
-                sums[name].add_(x, alpha=c)
-            if info is plan.snapshots[-1]:
-                for name in contents.names:
-                    if name not in contents.averaged:
-                        out[name] = contents.get(name).clone()
+            for name in contents.names:
+                if name in contents.averaged:
+                    x = contents.get(name)  # (a new float64 tensor at the first file)
+                    sums[name] = sums[name].add_(x, alpha=c) if name in sums else c * x.double()
+                elif info is plan.snapshots[-1]:
+                    out[name] = contents.get(name).clone()
     for name in latest.names:  # in the EMA's order, floating-point ones in its latest dtypes
         value = sums.pop(name) if name in sums else out.pop(name)
         out[name] = value.to(dtype or latest.dtypes[name]) if value.is_floating_point() else value

@@ -17,7 +17,7 @@ from .._update.schedule import POWER_FUNCTION, whole_number
 from ..checkpoint import _as_step
 from ..ema import ModelEma
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
-from .snapshotting import Snapshots
+from .snapshots import Snapshots
 
 _UINT64 = 2**64
 
@@ -152,48 +152,39 @@ class PostHocEma(TrackSet):
     def update(self, model: nn.Module, step=None, non_blocking: bool = False) -> None:
         """One update of every tracked EMA toward `model`, reading each model tensor once; then
         a snapshot when the update count reaches a multiple of snapshot_every."""
-        leader = self._tracks[0]
+        leader, snapshots = self._tracks[0], self._snapshots
         if torch.compiler.is_compiling():
             leader.update(model, step, non_blocking)
-            if self.snapshot_dir is not None:
-                self._after_compiled_update()  # a graph break: snapshots run eagerly
+            if snapshots.folder is not None:
+                self._counted_snapshot()  # a graph break: snapshots run eagerly
             return
-        snapshots = self._snapshots
         snapshots.wait_staged()
         snapshots.raise_failure()
-        t = self._updates_after(step)
-        due = snapshots.due(t)
-        if due:
-            snapshots.check_folder()
+        t = None  # the update count after this update, when known without reading a device
+        if step is None and self._t is not None:
+            t = self._t + 1
+        elif step is not None and not isinstance(step, torch.Tensor):
+            t = whole_number("step", step, 0) - self._update_after_step
+        if snapshots.due(t):
+            snapshots.check_folder()  # before the update changes anything
         try:
             leader.update(model, step, non_blocking)
         except BaseException:
             self._t = None
             raise
         if t is None and snapshots.folder is not None:
-            t = leader._schedule.value() - self._update_after_step  # reads the counter
-            due = snapshots.due(t)
-            if due:
-                snapshots.check_folder()
+            self._counted_snapshot()
+            return
         self._t = t
-        if due:
+        if snapshots.due(t):
             self._snapshot(t)
 
     @torch.compiler.disable
-    def _after_compiled_update(self) -> None:
-        t = self._tracks[0]._schedule.value() - self._update_after_step
-        self._t = None
-        if self._snapshots.due(t):
-            self._snapshots.check_folder()
-            self._snapshot(t)
-
-    def _updates_after(self, step):
-        """The update count t after an update with `step`, when known without reading a device."""
-        if step is None:
-            return None if self._t is None else self._t + 1
-        if isinstance(step, torch.Tensor):
-            return None
-        return whole_number("step", step, 0) - self._update_after_step
+    def _counted_snapshot(self) -> None:
+        """A snapshot if due at the update count read from the leader's counter (a device read)."""
+        self._t = self._tracks[0]._schedule.value() - self._update_after_step
+        if self._snapshots.due(self._t):
+            self._snapshot(self._t)
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update and for every snapshot submitted to be written."""
@@ -207,12 +198,11 @@ class PostHocEma(TrackSet):
         if self.snapshot_dir is None:
             raise ValueError("PostHocEma.save_snapshot: this PostHocEma has no snapshot_dir")
         self._tracks[0].synchronize()
-        self._snapshots.check_folder()
         self._snapshot(self._tracks[0].step - self._update_after_step)
 
     def _snapshot(self, t: int) -> None:
         wait_for = self._tracks[0]._updater.runner.job()
-        self._snapshots.take(self._tracks, self.gammas, self.sigma_rels, t, wait_for)
+        self._snapshots.take(self._tracks, self.gammas, t, wait_for)
 
     def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
         """fused_ema.posthoc.synthesize over this run's snapshots (once they are written)."""
@@ -249,8 +239,9 @@ class PostHocEma(TrackSet):
         return problems
 
     def _restore_header(self, state: dict) -> None:
-        self._snapshots.restore(int(state["snapshot_index"]))
-        self._t = None
+        # resumed from a checkpoint taken before snapshot `snapshot_index`: may replace later ones
+        self._snapshots.next_index = int(state["snapshot_index"])
+        self._snapshots.resumed, self._snapshots.checked, self._t = True, False, None
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
