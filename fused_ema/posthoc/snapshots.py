@@ -290,12 +290,13 @@ class Snapshots:
             )
         self.checked = True
 
-    def take(self, tracks, gammas, t: int, wait_for: Job | None) -> None:
+    def take(self, tracks, gammas, t: int) -> None:
         """Snapshot `next_index` of every track at update count `t` (the folder checked first),
         its tensors staged first: CUDA ones copied now into pinned memory in stream order, CPU
-        ones on the worker once `wait_for` (a non_blocking update still writing them) is done.
+        ones on the worker once the leader's non_blocking update still writing them is done.
         Two jobs of the snapshot worker, in order: the staging, then the files."""
         self.check_folder()
+        wait_for = tracks[0]._updater.runner.job()
         index = self.next_index
         self.next_index += 1
         files, events = [], []

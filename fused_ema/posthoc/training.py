@@ -177,14 +177,14 @@ class PostHocEma(TrackSet):
             return
         self._t = t
         if snapshots.due(t):
-            self._snapshot(t)
+            self._snapshots.take(self._tracks, self.gammas, t)
 
     @torch.compiler.disable
     def _counted_snapshot(self) -> None:
         """A snapshot if due at the update count read from the leader's counter (a device read)."""
         self._t = self._tracks[0]._schedule.value() - self._update_after_step
         if self._snapshots.due(self._t):
-            self._snapshot(self._t)
+            self._snapshots.take(self._tracks, self.gammas, self._t)
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update and for every snapshot submitted to be written."""
@@ -198,11 +198,7 @@ class PostHocEma(TrackSet):
         if self.snapshot_dir is None:
             raise ValueError("PostHocEma.save_snapshot: this PostHocEma has no snapshot_dir")
         self._tracks[0].synchronize()
-        self._snapshot(self._tracks[0].step - self._update_after_step)
-
-    def _snapshot(self, t: int) -> None:
-        wait_for = self._tracks[0]._updater.runner.job()
-        self._snapshots.take(self._tracks, self.gammas, t, wait_for)
+        self._snapshots.take(self._tracks, self.gammas, self.step - self._update_after_step)
 
     def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
         """fused_ema.posthoc.synthesize over this run's snapshots (once they are written)."""
