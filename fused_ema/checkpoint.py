@@ -110,16 +110,13 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
     if "shadow_params" in keys:
         shadow = state["shadow_params"]
         if not isinstance(shadow, (list, tuple)):
-            return ParsedCheckpoint(
-                "shadow_params",
-                problems=[
-                    f"'shadow_params' should be a list of tensors, got {type(shadow).__name__}"
-                ],
+            problems.append(
+                f"'shadow_params' should be a list of tensors, got {type(shadow).__name__}"
             )
-        diffusers = "optimization_step" in keys
-        key = "optimization_step" if diffusers else "num_updates"
-        kind = "diffusers EMAModel" if diffusers else "torch_ema"
-        return parsed(kind, None, state.get(key), key, positional=list(shadow))
+        key = "optimization_step" if "optimization_step" in keys else "num_updates"
+        kind = "torch_ema" if key == "num_updates" else "diffusers EMAModel"
+        positional = list(shadow) if not problems else None
+        return parsed(kind, None, state.get(key), key, positional=positional)
     if "n_averaged" in keys and any(k.startswith("module.") for k in keys):
         return parsed(
             "AveragedModel", _by_name(state, "module."), state["n_averaged"], "n_averaged"
@@ -129,14 +126,12 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
     if keys and all(isinstance(v, torch.Tensor) for v in state.values()):
         return parsed("state dict", _by_name(state))
     sample = ", ".join(sorted(map(str, keys))[:8]) or "no keys"
-    return ParsedCheckpoint(
-        "unknown",
-        problems=[
-            f"not an EMA checkpoint fused_ema knows (found {sample}); expected fused_ema's "
-            "state_dict, a model state dict, or one of timm, AveragedModel, ema-pytorch, diffusers "
-            "EMAModel, torch_ema"
-        ],
+    problems.append(
+        f"not an EMA checkpoint fused_ema knows (found {sample}); expected fused_ema's "
+        "state_dict, a model state dict, or one of timm, AveragedModel, ema-pytorch, diffusers "
+        "EMAModel, torch_ema"
     )
+    return parsed("unknown")
 
 
 PRETRAINED = "fused_ema: save_pretrained folder"  # read_source's wrapping of a folder
@@ -187,16 +182,15 @@ def read_pretrained_folder(path) -> dict:
         if not isinstance(config, dict):
             raise ValueError("config.json does not hold a JSON object")
     for name in _WEIGHT_FILES:
-        index = f"{name}.index.json"
-        if index in files:
-            with open(os.path.join(path, index)) as f:
+        if f"{name}.index.json" in files:
+            with open(os.path.join(path, f"{name}.index.json")) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
-            weights = {}
-            for shard in shards:
-                weights.update(_read_weights(os.path.join(path, shard)))
-            return {"config": config, "weights": weights}
-        if name in files:
-            return {"config": config, "weights": _read_weights(os.path.join(path, name))}
+        elif name in files:
+            shards = [name]
+        else:
+            continue
+        parts = [_read_weights(os.path.join(path, shard)) for shard in shards]
+        return {"config": config, "weights": {k: v for part in parts for k, v in part.items()}}
     raise FileNotFoundError(
         f"no weights in the folder: expected one of {', '.join(_WEIGHT_FILES)} (or its "
         f"sharded .index.json), found {', '.join(files) or 'nothing'}"
@@ -275,26 +269,6 @@ def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device=local(entry.ema).device, dtype=entry.ema.dtype)
 
 
-def loaded_step(parsed: ParsedCheckpoint, step: int | None, options: dict) -> int:
-    """The step an EMA continues from: `step` when given, else the checkpoint's, else (timm's
-    checkpoints and plain state dicts store none) update_after_step + 1, the step of the copy
-    that starts an average: the next update averages, as the peer would have."""
-    if step is not None:
-        return step
-    if parsed.step is not None:
-        return parsed.step
-    started = options["update_after_step"] + 1
-    if options["warmup"] is not None:
-        warnings.warn(
-            f"fused_ema: this {parsed.format} stores no step, so the EMA loads at step {started} "
-            "(started): with warmup on, the next update uses the warmup's first decay. Pass "
-            "load_state_dict(..., step=N) or update(model, step=N) with the run's step count.",
-            UserWarning,
-            stacklevel=4,  # the caller of load_state_dict
-        )
-    return started
-
-
 def _filter_problems(saved, policy) -> list[str]:
     """A fused_ema checkpoint saved with other name filters than this EMA's."""
     if saved is None:
@@ -316,31 +290,18 @@ def _filter_problems(saved, policy) -> list[str]:
     ]
 
 
-def _tie_problem(name: str, tensor, first_name: str, first_tensor, ema) -> str | None:
-    """What is wrong with `tensor` (itself fit for `ema`) under `name`, another name of a tied
-    weight first loaded as `first_name`: `first_tensor`."""
-    if tensor_problem(first_name, first_tensor, ema) is not None:
-        return None  # the first is reported
-    if is_dtensor(tensor) or is_dtensor(first_tensor):
-        return None  # shards of one tie: each rank compares only its own, so none does
-    same = tensor.dtype == first_tensor.dtype and torch.equal(
-        tensor.detach().to(first_tensor.device), first_tensor.detach()
-    )
-    if same:
-        return None
-    return f"{name}: tied to {first_name} in this EMA, but the two hold different values"
-
-
 def prepare_load(
     table, state, strict: bool, source: str, policy, step: int | None, options: dict
 ) -> PreparedLoad:
     """Checks `state` against the EMA's entries and converts its tensors; raises one
     CheckpointError listing every problem, before anything of the EMA changes. Keys that the
-    EMA's ignore_names (`policy`) leave out are skipped. `step` (validated) overrides the
-    checkpoint's; `options` are the EMA's current schedule options."""
+    EMA's ignore_names (`policy`) leave out are skipped. `options` are the EMA's current schedule
+    options. The EMA continues from `step` (validated) when given, else the checkpoint's, else
+    (timm's checkpoints and plain state dicts store none) update_after_step + 1, the step of the
+    copy that starts an average: the next update averages, as the peer would have."""
     parsed = parse_checkpoint(state)
     fatal = list(parsed.problems)  # nothing can be loaded while any of these stands
-    weights = parsed.weights
+    weights = parsed.weights or {}
     if parsed.positional is not None:  # the model's parameters, in order
         params = [e.name for e in table.entries if e.kind == "param"]
         weights = dict(zip(params, parsed.positional))
@@ -350,7 +311,7 @@ def prepare_load(
                 f"{len(params)}"
             )
             weights = {}
-    if weights and policy.ignore:
+    if policy.ignore:
         weights = {k: v for k, v in weights.items() if not policy.ignore_filter(k)}
     new_options = None
     if parsed.schedule is not None:
@@ -359,7 +320,7 @@ def prepare_load(
         except (TypeError, ValueError) as err:
             fatal.append(f"schedule: {err}")
     pairs, problems, mismatched, covered = [], [], [], {}
-    for name, tensor in (weights or {}).items():
+    for name, tensor in weights.items():
         entry = table.by_name.get(name)
         if entry is None:
             continue
@@ -371,7 +332,6 @@ def prepare_load(
             and tensor.shape == bound.ds_shape != entry.ema.shape  # the EMA holds a slice
         ):
             tensor = zero3.take_partition(tensor, bound)  # a whole (unsharded) checkpoint's value
-        first = covered.setdefault(id(entry), (name, tensor))
         problem = tensor_problem(name, tensor, entry.ema)
         if problem and partitioned:
             problem += (
@@ -379,22 +339,28 @@ def prepare_load(
                 "a checkpoint saved per rank loads at the same world size and rank, a whole one "
                 "(full_state_dict()) at any)"
             )
-        if problem is None and first[1] is not tensor:  # a tied weight's other names: same values
-            problem = _tie_problem(name, tensor, *first, entry.ema)
+        first_name, first, first_fit = covered.setdefault(id(entry), (name, tensor, not problem))
+        # A tied weight's other names hold the first's values (unless that one is reported); shards
+        # of one tie are not compared: each rank holds only its own.
+        tied = not problem and first_fit and first is not tensor
+        if tied and not (is_dtensor(tensor) or is_dtensor(first)):
+            if tensor.dtype != first.dtype or not torch.equal(tensor.to(first.device), first):
+                problem = (
+                    f"{name}: tied to {first_name} in this EMA, but the two hold different values"
+                )
         if problem:
             problems.append(problem)
             mismatched.append(name)
-        elif first[0] == name:
+        elif first_name == name:
             pairs.append((entry, tensor))
     missing = [e.name for e in table.entries if id(e) not in covered]
-    unexpected = [k for k in (weights or {}) if k not in table.by_name]
-    filters = _filter_problems(parsed.filters, policy)
-    if fatal or (strict and (problems or missing or unexpected or filters)):
-        listed = fatal + problems
-        if strict:
-            listed += filters
-            listed += [f"missing from the checkpoint: {k}" for k in missing]
-            listed += [f"not in this EMA: {k}" for k in unexpected]
+    unexpected = [k for k in weights if k not in table.by_name]
+    listed = fatal + problems
+    if strict:
+        listed += _filter_problems(parsed.filters, policy)
+        listed += [f"missing from the checkpoint: {k}" for k in missing]
+        listed += [f"not in this EMA: {k}" for k in unexpected]
+    if fatal or (strict and listed):
         raise CheckpointError(listed, source)
     try:
         values = [(entry, _converted(entry, tensor)) for entry, tensor in pairs]
@@ -403,6 +369,18 @@ def prepare_load(
             [f"could not move its tensors to the EMA's devices: {type(err).__name__}: {err}"],
             source,
         ) from err
+    options = new_options or options
+    if step is None:
+        step = parsed.step
+    if step is None:
+        step = options["update_after_step"] + 1
+        if options["warmup"] is not None:
+            warnings.warn(
+                f"fused_ema: this {parsed.format} stores no step, so the EMA loads at step {step} "
+                "(started): with warmup on, the next update uses the warmup's first decay. Pass "
+                "load_state_dict(..., step=N) or update(model, step=N) with the run's step count.",
+                UserWarning,
+                stacklevel=4,  # the caller of load_state_dict
+            )
     result = LoadResult(parsed.format, missing, unexpected, mismatched)
-    final_step = loaded_step(parsed, step, new_options or options)
-    return PreparedLoad(values, final_step, new_options, result, problems)
+    return PreparedLoad(values, step, new_options, result, problems)

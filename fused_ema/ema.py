@@ -331,7 +331,7 @@ class ModelEma(TimmAttributes, nn.Module):
         A parent module's state_dict() (which passes destination= and prefix=) gets flat keys
         instead: ``{prefix}weights.{name}`` and ``{prefix}step``, with the schedule in the state
         dict's _metadata; the parent's load_state_dict() reads them back (see
-        _state/nested_state.py)."""
+        _state/ema_state.py)."""
         if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         self._ready("state_dict")

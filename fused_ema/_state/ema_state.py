@@ -1,7 +1,8 @@
 """ModelEma's checkpoints and the stochastic-rounding setting they carry: state_dict() (its own,
-or flat keys in a parent module's), load_state_dict() (any format checkpoint.py reads, a file, a
-parent's state dict), full_state_dict(), and the warning when that setting loses updates. A load
-is checked and converted whole before its first write, so a failed one changes nothing."""
+or flat keys in a parent module's, the settings in its _metadata: docs/checkpoints.md),
+load_state_dict() (any format checkpoint.py reads, a file, a parent's state dict),
+full_state_dict(), and the warning when that setting loses updates. A load is checked and
+converted whole before its first write, so a failed one changes nothing."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._update.schedule import rounding_from_state
 from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_source
 from ..errors import CheckpointError, PrecisionWarning
-from . import nested_state
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Inside a parent's state dict: {prefix}weights.{name}, {prefix}step, and these settings in its
+# _metadata[prefix] under "fused_ema".
+WEIGHTS, STEP, META_KEY = "weights.", "step", "fused_ema"
+_NESTED_SETTINGS = ("format", "format_version", "schedule", "rounding", "buffers")
 
 
 def rounding_seed(rounding: dict):
@@ -45,7 +49,8 @@ class EmaState:
     # ------------------------------------------------------------------ saving
 
     def state_dict(self, destination, prefix: str, keep_vars: bool, version):
-        """ModelEma.state_dict(): its own dict, or flat keys in `destination` under `prefix`."""
+        """ModelEma.state_dict(): its own dict, or (a parent module's state_dict()) flat keys in
+        `destination` under `prefix`."""
         entries = self.binding.table.entries
         own = {
             "format": FORMAT,
@@ -62,9 +67,13 @@ class EmaState:
         if destination is None:
             destination = OrderedDict()
             destination._metadata = OrderedDict()
-        if keep_vars:
-            own["weights"] = {n: e.ema for e in entries for n in e.names}
-        nested_state.write(own, destination, prefix, keep_vars, version)
+        for e in entries:
+            for name in e.names:
+                destination[prefix + WEIGHTS + name] = e.ema if keep_vars else e.ema.detach()
+        destination[prefix + STEP] = own["step"]
+        if getattr(destination, "_metadata", None) is not None:
+            settings = {k: own[k] for k in _NESTED_SETTINGS}
+            destination._metadata[prefix[:-1]] = {"version": version, META_KEY: settings}
         return destination
 
     def full_state_dict(self, rank: int | None, cpu_offload: bool) -> dict:
@@ -106,18 +115,32 @@ class EmaState:
         if prepared.options is not None:
             after.append(lambda: setattr(self.schedule, "options", prepared.options))
         if rounding is not None:
-            after.append(lambda: self._set_rounding(rounding))
+            after.append(lambda: setattr(self, "rounding", rounding))
+            after.append(lambda: self.binding.set_seed(rounding_seed(rounding)))
         return pairs, after
 
-    def _set_rounding(self, rounding: dict) -> None:
-        self.rounding = rounding
-        self.binding.set_seed(rounding_seed(rounding))
-
     def prepare_nested(self, state_dict, prefix, metadata, missing_keys, unexpected_keys, errors):
-        """A parent module's load_state_dict(): the keys under `prefix` checked and converted as
-        prepare() does; problems go to the parent's lists (it raises for them, or returns them if
-        not strict). Returns what apply() takes, or None when anything was found: all or nothing."""
-        own, missing, unexpected = nested_state.read(state_dict, prefix, metadata)
+        """A parent module's load_state_dict(): fused_ema's own state dict rebuilt from the keys
+        under `prefix` and the settings in `metadata`, checked and converted as prepare() does;
+        problems go to the parent's lists (it raises for them, or returns them if not strict).
+        Returns what apply() takes, or None when anything was found: all or nothing."""
+        own = {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": {}, "step": None}
+        unexpected = []
+        for key, value in state_dict.items():
+            if key.startswith(prefix + WEIGHTS):
+                own["weights"][key[len(prefix + WEIGHTS) :]] = value
+            elif key == prefix + STEP:
+                own["step"] = value
+            elif key.startswith(prefix):
+                unexpected.append(key)
+        missing = [prefix + STEP] if own["step"] is None else []
+        settings = (metadata or {}).get(META_KEY)
+        if isinstance(settings, dict):
+            own |= {
+                k: settings[k] for k in ("format_version", "schedule", "rounding") if k in settings
+            }
+        elif settings is not None:
+            own["format_version"] = settings  # reported by the parser as a format problem
         missing_keys.extend(missing)
         unexpected_keys.extend(unexpected)
         try:
@@ -125,7 +148,7 @@ class EmaState:
         except CheckpointError as err:
             errors.extend(f"{prefix[:-1] or 'ModelEma'}: {p}" for p in err.problems)
             return None
-        result, weights = prepared[0].result, prefix + nested_state.WEIGHTS
+        result, weights = prepared[0].result, prefix + WEIGHTS
         missing_keys.extend(weights + k for k in result.missing_keys)
         unexpected_keys.extend(weights + k for k in result.unexpected_keys)
         errors.extend(weights + problem for problem in prepared[0].problems)

@@ -24,14 +24,7 @@ class Options(NamedTuple):
     on_mismatch: str
 
 
-def resolve_options(
-    warmup: tuple,
-    buffers: tuple,
-    schedule: tuple,
-    rounding: tuple,
-    policy: tuple,
-    on_mismatch: str,
-) -> Options:
+def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: str) -> Options:
     """ModelEma's arguments, grouped by what they configure, as checked Options. Raises the
     first problem found, naming the argument.
 

@@ -59,7 +59,18 @@ def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> N
         moved = data.to(device=device or data.device, dtype=new_dtype, non_blocking=non_blocking)
         if moved is not data:
             moves.append((e.ema, moved))
-    extras = _module_extras(binding.module, entries, device, non_blocking)
+    # ema.module's own tensors that are not EMA entries (non-persistent buffers, and buffers an
+    # EMA with buffers="ignore" leaves out) move with it, so that it still runs.
+    extras, module, ours = [], binding.module, {id(e.ema) for e in entries}
+    if device is not None and module is not None and not isinstance(module, SwappedModelView):
+        for sub in module.modules():
+            for store in (sub._parameters, sub._buffers):
+                for name, t in store.items():
+                    if t is not None and id(t) not in ours and not t.is_meta:
+                        data = t.data  # one object: .to() returns it when nothing moves
+                        moved = data.to(device=device, non_blocking=non_blocking)
+                        if moved is not data:
+                            extras.append((sub, name, moved))
     if device is not None and entries:
         target = (moves[0][1] if moves else entries[0].ema).device
         schedule.place(target if target.type != "cpu" else torch.device("cpu"))
@@ -78,21 +89,3 @@ def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> N
         dtype=dtype if dtype is not None else policy.dtype,
     )
     binding.plan = None  # rebuilt for the moved tensors at the next update
-
-
-def _module_extras(module, entries, device, non_blocking: bool) -> list:
-    """ema.module's own tensors that are not EMA entries (non-persistent buffers, and buffers an
-    EMA with buffers="ignore" leaves out), moved with the EMA so that it still runs."""
-    if module is None or device is None or isinstance(module, SwappedModelView):
-        return []
-    ours = {id(e.ema) for e in entries}
-    out = []
-    for sub in module.modules():
-        for store in (sub._parameters, sub._buffers):
-            for name, t in store.items():
-                if t is not None and id(t) not in ours and not t.is_meta:
-                    data = t.data
-                    moved = data.to(device=device, non_blocking=non_blocking)
-                    if moved is not data:
-                        out.append((sub, name, moved))
-    return out
