@@ -1,8 +1,10 @@
-"""What the framework integrations share: the ModelEma keyword check at construction, and an
-EMA's state dict with DeepSpeed ZeRO-3 partitions gathered whole."""
+"""What the framework integrations share: the callbacks' argument checks at construction, an EMA
+swapped into the model across hooks, and an EMA's state dict with DeepSpeed ZeRO-3 partitions
+gathered whole."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -11,10 +13,14 @@ from torch import nn
 from ..ema import ModelEma
 
 
-def check_ema_arguments(ema, decay, ema_kwargs: dict) -> dict:
-    """Checks the ModelEma keywords now, with ModelEma's own messages, instead of at the first
-    training step: a throwaway EMA of a one-parameter module (device left out: the callback is
-    often built before the devices are set up, and a CUDA device must not be touched here)."""
+def check_ema_arguments(ema, decay, ema_kwargs: dict, **flags) -> dict | None:
+    """Checks the True/False `flags` and the ModelEma keywords now, with ModelEma's own messages,
+    instead of at the first training step: a throwaway EMA of a one-parameter module (device left
+    out: the callback is often built before the devices are set up, and a CUDA device must not be
+    touched here). Returns the keywords to build the EMA with, None for the caller's `ema`."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     if ema is not None:
         if not isinstance(ema, ModelEma):
             raise TypeError(f"ema must be a fused_ema.ModelEma, got {type(ema).__name__}")
@@ -22,7 +28,7 @@ def check_ema_arguments(ema, decay, ema_kwargs: dict) -> dict:
             raise ValueError(
                 "pass either a ModelEma (ema=) or its keywords (decay=, ...), not both"
             )
-        return {}
+        return None
     kwargs = dict(ema_kwargs)
     if decay is not None:
         kwargs["decay"] = decay
@@ -31,6 +37,42 @@ def check_ema_arguments(ema, decay, ema_kwargs: dict) -> dict:
         warnings.simplefilter("ignore")
         ModelEma(nn.Linear(1, 1, bias=False, dtype=torch.float32), **probe)
     return kwargs
+
+
+class HeldSwap:
+    """`ema.swapped(model)` entered in one hook and left in another (Lightning's evaluation start
+    and end, left also when the framework reports an exception), or around a Trainer's evaluate().
+    Entering while swapped in does nothing (validation inside a test run, evaluate() inside
+    ema_weights). `paused()` puts the training weights back for a moment (a checkpoint written
+    while the EMA weights are in the model)."""
+
+    def __init__(self):
+        self._stack = contextlib.ExitStack()
+        self.target = None  # (ema, model) while swapped in
+
+    def enter(self, ema: ModelEma, model):
+        """The model the EMA weights went into (ema.swapped's), or None if already swapped in."""
+        if self.target is not None:
+            return None
+        swapped = self._stack.enter_context(ema.swapped(model))
+        self.target = (ema, model)
+        return swapped
+
+    def leave(self) -> None:
+        self.target = None
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Training weights in the model (and the EMA's own tensors holding the EMA) for the
+        block; the EMA weights go back in after it. Yields whether a swap was paused."""
+        target = self.target
+        self.leave()
+        try:
+            yield target is not None
+        finally:
+            if target is not None:
+                self.enter(*target)
 
 
 def whole_state_dict(ema) -> dict:

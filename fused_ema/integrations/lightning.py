@@ -4,7 +4,6 @@ Needs `lightning` (`lightning.pytorch`); with only `pytorch_lightning` installed
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -15,46 +14,9 @@ except ImportError:  # only the older distribution is installed
     from pytorch_lightning.callbacks import Callback
 
 from ..ema import ModelEma
-from ._common import check_ema_arguments
+from ._common import HeldSwap, check_ema_arguments
 
 __all__ = ["EMACallback"]
-
-
-class HeldSwap:
-    """`ema.swapped(model)` entered in one hook and left in another (validation start and end),
-    left also when the framework reports an exception. `paused()` puts the training weights back
-    for a moment (a checkpoint written while the EMA weights are in the model)."""
-
-    def __init__(self):
-        self._stack = contextlib.ExitStack()
-        self._target = None  # (ema, model) while swapped in
-
-    @property
-    def active(self) -> bool:
-        return self._target is not None
-
-    def enter(self, ema: ModelEma, model) -> None:
-        if self._target is None:  # else already in (validation inside a test run, a hook twice)
-            self._stack.enter_context(ema.swapped(model))
-            self._target = (ema, model)
-
-    def leave(self) -> None:
-        self._target = None
-        self._stack.close()
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Training weights in the model (and the EMA's own tensors holding the EMA) for the
-        block; the EMA weights go back in after it. Yields whether a swap was paused."""
-        target = self._target
-        if target is None:
-            yield False
-            return
-        self.leave()
-        try:
-            yield True
-        finally:
-            self.enter(*target)
 
 
 class EMACallback(Callback):
@@ -90,15 +52,9 @@ class EMACallback(Callback):
         **ema_kwargs,
     ):
         super().__init__()
-        for name, value in (
-            ("swap_eval", swap_eval),
-            ("copy_to_model_at_end", copy_to_model_at_end),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
-        self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs)
+        flags = dict(swap_eval=swap_eval, copy_to_model_at_end=copy_to_model_at_end)
+        self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs, **flags)  # None: `ema`
         self.ema: ModelEma | None = ema
-        self._user_ema = ema is not None
         self._module_ref = None
         self._pending: dict | None = None  # callback state loaded before the EMA was bound
         self._last_step: int | None = None
@@ -112,7 +68,7 @@ class EMACallback(Callback):
         """The EMA for `pl_module`, built at the start of fit (after configure_model and the
         strategy's setup), with a state restored from a checkpoint loaded into it."""
         bound = self._module_ref is not None and self._module_ref() is pl_module
-        if not self._user_ema and not bound and (create or self._pending is not None):
+        if self._ema_kwargs is not None and not bound and (create or self._pending is not None):
             self.ema = ModelEma(pl_module, **self._ema_kwargs)
             self._module_ref = weakref.ref(pl_module)
         if self._pending is not None and self.ema is not None:
@@ -139,7 +95,7 @@ class EMACallback(Callback):
         """A checkpoint written while the EMA weights are swapped in: its "state_dict" (the
         module's tensors, not copies) must be the training weights, so they are cloned with the
         training weights put back for the moment."""
-        if not self._swap.active or "state_dict" not in checkpoint:
+        if self._swap.target is None or "state_dict" not in checkpoint:
             return
         with self._swap.paused():
             checkpoint["state_dict"] = {

@@ -16,7 +16,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..bema import Bema, check_bema_options
 from ..checkpoint import atomic_write
 from ..ema import ModelEma
-from ._common import check_ema_arguments, whole_state_dict
+from ._common import HeldSwap, check_ema_arguments, whole_state_dict
 
 __all__ = [
     "BEMACallback",
@@ -33,7 +33,9 @@ EMA_FILE = "ema.pt"
 BEMA_FILE = "bema.pt"
 """The file holding BEMACallback's `Bema.state_dict()` in each `checkpoint-<step>` folder."""
 
-_ON_MISSING = ("error", "restart")
+
+def _folder(args, step: int) -> str:
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
 
 
 class EMACallback(TrainerCallback):
@@ -56,6 +58,7 @@ class EMACallback(TrainerCallback):
     """
 
     FILE = EMA_FILE  # in each checkpoint folder
+    EMA = ModelEma  # what it keeps, built from _ema_kwargs
 
     def __init__(
         self,
@@ -67,19 +70,15 @@ class EMACallback(TrainerCallback):
         on_missing: str = "error",
         **ema_kwargs,
     ):
-        if not isinstance(copy_to_model_at_end, bool):
-            raise TypeError(
-                f"copy_to_model_at_end must be True or False, got {copy_to_model_at_end!r}"
-            )
-        if on_missing not in _ON_MISSING:
-            raise ValueError(f"on_missing must be one of {_ON_MISSING}, got {on_missing!r}")
-        self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs)
+        if on_missing not in ("error", "restart"):
+            raise ValueError(f"on_missing must be one of ('error', 'restart'), got {on_missing!r}")
+        flags = dict(copy_to_model_at_end=copy_to_model_at_end)
+        self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs, **flags)  # None: `ema`
         self.ema: ModelEma | None = ema
-        self._user_ema = ema is not None
         self.copy_to_model_at_end = copy_to_model_at_end
         self.resume_from = resume_from
         self.on_missing = on_missing
-        self._swapped = False
+        self._swap = HeldSwap()  # the EMA weights in the model while evaluating
 
     # ------------------------------------------------------------------ training
 
@@ -87,38 +86,26 @@ class EMACallback(TrainerCallback):
         """Runs after the Trainer loaded a checkpoint's weights and state: a fresh EMA of the
         model, with the checkpoint's ema.pt loaded into it when training resumes."""
         resume_from, self.resume_from = self.resume_from, None
-        ema = self.ema if self._user_ema else self._build(model)
+        ema = self.ema if self._ema_kwargs is None else self.EMA(model, **self._ema_kwargs)
         if state.global_step > 0:
             self._restore(ema, args, state.global_step, resume_from)
         self.ema = ema
 
-    def _build(self, model):
-        return ModelEma(model, **self._ema_kwargs)
-
     def _restore(self, ema: ModelEma, args, step: int, resume_from) -> None:
-        candidates = (
-            [resume_from]
-            if resume_from is not None
-            else [
-                getattr(args, "resume_from_checkpoint", None),
-                os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"),
-            ]
-        )
+        found = [getattr(args, "resume_from_checkpoint", None), _folder(args, step)]
         looked = []
-        for folder in candidates:
+        for folder in found if resume_from is None else [resume_from]:
             if not isinstance(folder, (str, os.PathLike)):
                 continue
             path = os.path.join(folder, self.FILE)
             looked.append(path)
-            if not os.path.isfile(path):
-                continue
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            saved = int(state["step"]) if isinstance(state, dict) and "step" in state else None
-            if saved != step:
+            if os.path.isfile(path):
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                saved = int(state["step"]) if isinstance(state, dict) and "step" in state else None
+                if saved == step:
+                    ema.load_state_dict(state)  # all or nothing: a damaged file raises
+                    return
                 looked[-1] += f" (its EMA is at step {saved})"
-                continue
-            ema.load_state_dict(state)  # all or nothing: a damaged file raises CheckpointError
-            return
         message = (
             f"fused_ema: training resumed at step {step} but no {self.FILE} of that step was found "
             f"(looked at {', '.join(looked) or 'nothing'}). Resume with EMATrainer, or pass "
@@ -137,7 +124,7 @@ class EMACallback(TrainerCallback):
         checkpoint = whole_state_dict(self.ema)
         if not args.should_save:
             return
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        folder = _folder(args, state.global_step)
         if not os.path.isdir(folder):
             raise FileNotFoundError(
                 f"fused_ema: the checkpoint folder {folder} the Trainer should have written "
@@ -168,7 +155,7 @@ class BEMACallback(EMACallback):
         **bema_kwargs: any other Bema keyword (dtype=, buffers=, ...).
     """
 
-    FILE = BEMA_FILE
+    FILE, EMA = BEMA_FILE, Bema
 
     def __init__(
         self,
@@ -190,13 +177,9 @@ class BEMACallback(EMACallback):
             update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
         )
         super().__init__(resume_from=resume_from, on_missing=on_missing)
-        for name, value in (*options.items(), ("device", device)):
-            setattr(self, name, value)  # TRL's attribute names
-        self._bema_kwargs = {**options, "device": device, **bema_kwargs}
+        vars(self).update(options, device=device)  # TRL's attribute names
+        self._ema_kwargs = {**options, "device": device, **bema_kwargs}
         self.save_at_end = bool(save_at_end)
-
-    def _build(self, model):
-        return Bema(model, **self._bema_kwargs)
 
     @property
     def running_model(self):
@@ -230,26 +213,25 @@ def find_ema_callback(trainer: Trainer) -> EMACallback:
 
 
 @contextlib.contextmanager
-def _swapped(callback: EMACallback, trainer: Trainer, required: bool):
-    if callback._swapped or (callback.ema is None and not required):
-        yield trainer.model  # already inside (evaluate within ema_weights), or no EMA yet
-        return
-    if callback.ema is None:
+def _swapped(trainer: Trainer, required: bool):
+    callback = find_ema_callback(trainer)
+    if callback.ema is None and required:
         raise RuntimeError(
             "fused_ema: the EMACallback has no EMA yet: it is built when trainer.train() starts"
         )
-    with callback.ema.swapped(trainer.model) as model:
-        callback._swapped = True
-        try:
-            yield model
-        finally:
-            callback._swapped = False
+    # None: already inside (evaluate within ema_weights), or no EMA yet
+    model = None if callback.ema is None else callback._swap.enter(callback.ema, trainer.model)
+    try:
+        yield trainer.model if model is None else model
+    finally:
+        if model is not None:
+            callback._swap.leave()
 
 
 def ema_weights(trainer: Trainer):
     """`with ema_weights(trainer): trainer.evaluate()`: the EMA weights in the Trainer's model
     for the block, the training weights back after it (also when it raises)."""
-    return _swapped(find_ema_callback(trainer), trainer, required=True)
+    return _swapped(trainer, required=True)
 
 
 class EMATrainerMixin:
@@ -267,11 +249,11 @@ class EMATrainerMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        with _swapped(find_ema_callback(self), self, required=False):
+        with _swapped(self, required=False):
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        with _swapped(find_ema_callback(self), self, required=False):
+        with _swapped(self, required=False):
             return super().predict(*args, **kwargs)
 
 
