@@ -5,6 +5,8 @@ collective ever happens in update(). Works without torch.distributed too (nothin
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -48,9 +50,8 @@ def chunk(size: int, world: int, rank: int) -> tuple[int, int]:
 
 def same_layout(ema: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether the EMA tensor `ema` still fits the model tensor `t` (shape and sharding)."""
-    if tuple(ema.shape) != tuple(t.shape):
-        return False
-    return sharding(ema) == sharding(t) or replica_cut(ema, t) is not None
+    same_shape = tuple(ema.shape) == tuple(t.shape)
+    return same_shape and (sharding(ema) == sharding(t) or replica_cut(ema, t) is not None)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -60,9 +61,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def sharding(t: torch.Tensor):
     """What must match between an EMA tensor and its model tensor beyond shape and dtype."""
-    if not is_dtensor(t):
-        return None
-    return (t.device_mesh, tuple(t.placements))
+    return (t.device_mesh, tuple(t.placements)) if is_dtensor(t) else None
 
 
 def check_averageable(name: str, t: torch.Tensor) -> None:
@@ -79,15 +78,14 @@ def copy_into(ema: torch.Tensor, value: torch.Tensor) -> None:
     if ema is value or same_memory(local(ema), local(value)):
         return  # e.g. a state_dict() that dcp.load filled in place
     if not is_dtensor(ema):
-        local(ema).copy_(value.full_tensor() if is_dtensor(value) else value)
-    elif is_dtensor(value):
-        if sharding(value) != sharding(ema):
-            value = value.redistribute(ema.device_mesh, ema.placements)
-        local(ema).copy_(local(value))
-    else:
-        mesh, placements = ema.device_mesh, ema.placements
-        value = distribute_tensor(value.to(ema.device), mesh, placements, src_data_rank=None)
-        local(ema).copy_(local(value))
+        value = value.full_tensor() if is_dtensor(value) else value
+    elif not is_dtensor(value):  # each rank cuts its own shard out of the whole value
+        value = distribute_tensor(
+            value.to(ema.device), ema.device_mesh, ema.placements, src_data_rank=None
+        )
+    elif sharding(value) != sharding(ema):
+        value = value.redistribute(ema.device_mesh, ema.placements)
+    local(ema).copy_(local(value))
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -147,10 +145,7 @@ def shard_offset(t: torch.Tensor, index: int) -> int:
             f"{t.device_mesh}, so its shard is not one row-major block of the full tensor; "
             "stochastic rounding of DTensors needs Shard(0) (or Replicate) placements"
         )
-    inner = 1
-    for size in full[first + 1 :]:
-        inner *= size
-    return int(start[first]) * inner
+    return int(start[first]) * math.prod(full[first + 1 :])
 
 
 def reshard_fsdp(model) -> None:
@@ -169,12 +164,8 @@ def refuse_unsharded(by_name: dict, tracked, replicated=None) -> None:
     if replicated is not None:
         replicated.refuse_sharded(tracked)
         return
-    names = [
-        n
-        for t in tracked
-        for n in t.names
-        if n in by_name and is_dtensor(by_name[n].ema) and not is_dtensor(t.tensor)
-    ]
+    plain = [t for t in tracked if not is_dtensor(t.tensor)]
+    names = [n for t in plain for n in t.names if n in by_name and is_dtensor(by_name[n].ema)]
     if names:
         raise RuntimeError(
             f"{len(names)} sharded tensors of the model are unsharded right now (e.g. "

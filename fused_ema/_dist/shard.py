@@ -26,8 +26,8 @@ def resolve(shard) -> ShardSpec | None:
     """The ShardSpec for ModelEma's `shard` argument (False/None: not sharded)."""
     if shard is False or shard is None:
         return None
-    kind = "WORLD" if shard is True else type(shard).__name__
-    if kind not in ("WORLD", "ProcessGroup", "DeviceMesh"):
+    kind = "ProcessGroup" if shard is True else type(shard).__name__
+    if kind not in ("ProcessGroup", "DeviceMesh"):
         raise TypeError(
             "fused_ema: shard must be False, True (the default process group), a ProcessGroup or "
             f"a 1-D DeviceMesh, got {type(shard).__name__}"
@@ -38,10 +38,8 @@ def resolve(shard) -> ShardSpec | None:
             "torch.distributed is not initialised; call torch.distributed.init_process_group() "
             "first, or build the EMA without shard="
         )
-    if kind == "WORLD":
-        return ShardSpec(dist.group.WORLD)
-    if kind == "ProcessGroup":
-        return ShardSpec(shard)
+    if kind != "DeviceMesh":
+        return ShardSpec(dist.group.WORLD if shard is True else shard)
     if shard.ndim != 1:
         raise ValueError(
             f"fused_ema: shard= takes a 1-D DeviceMesh (the ranks holding replicas of the "
@@ -63,6 +61,20 @@ def layout(shapes, world: int, itemsize: int) -> tuple[list, int]:
         slots.append((total, capacity))
         total += -(-capacity // align) * align
     return slots, total
+
+
+def _rows(t: torch.Tensor, world: int, rank: int) -> tuple[int, torch.Tensor]:
+    """(d, `rank`'s chunk of `t` along d): the rows of it that rank holds, a view."""
+    d = chunk_dim(t.shape)
+    return d, t.narrow(d, *chunk(t.shape[d], world, rank))
+
+
+def _chunked(own: torch.Tensor, mesh, placements, shape) -> torch.Tensor:
+    """`own` as this rank's chunk of a DTensor of `shape` (contiguous strides)."""
+    from torch.distributed.tensor import DTensor
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(own, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 class ShardSpec:
@@ -96,49 +108,32 @@ class ShardSpec:
     def new_ema(self, t: torch.Tensor, device, dtype) -> torch.Tensor:
         """This rank's chunk of `t` as the EMA's dtype, on `device`, as a DTensor: a view of `t`
         where dtype and device match, for pack() copies every chunk into its flat buffer."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
 
-        d = chunk_dim(t.shape)
-        start, length = chunk(t.shape[d], self.world, self.rank)
-        part = t.narrow(d, start, length)
+        d, part = _rows(t, self.world, self.rank)
         own = part.to(device=device, dtype=dtype)
-        return DTensor.from_local(
-            own,
-            self.mesh(own.device),
-            [Shard(d)],
-            run_check=False,
-            shape=t.shape,
-            stride=torch.empty(t.shape, device="meta").stride(),
-        )
+        return _chunked(own, self.mesh(own.device), [Shard(d)], t.shape)
 
     def pack(self, entries: list) -> list:
         """The entries with every chunk moved into one flat buffer per dtype and device (new
         entries and tensors: the ones given are left as they were)."""
-        from torch.distributed.tensor import DTensor
-
-        groups: dict = {}
+        kinds: dict = {}
         for k, e in enumerate(entries):
             if is_dtensor(e.ema):  # refuse_sharded: every DTensor here is a chunk of ours
-                chunk_ = local(e.ema)
-                groups.setdefault((chunk_.dtype, chunk_.device), []).append(k)
+                kinds.setdefault((local(e.ema).dtype, local(e.ema).device), []).append(k)
         out = list(entries)
-        for (dtype, device), ks in groups.items():
+        for (dtype, device), ks in kinds.items():
             itemsize = torch.empty((), dtype=dtype).element_size()
             slots, total = layout([entries[k].ema.shape for k in ks], self.world, itemsize)
             flat = torch.zeros(total, dtype=dtype, device=device)
             for k, (offset, _) in zip(ks, slots):
-                e = entries[k]
-                old = local(e.ema)
-                view = _alias(flat[offset : offset + old.numel()]).view(old.shape)
+                e, old = entries[k], local(entries[k].ema)
+                # A tensor of its own (storage offset 0): torch.save cannot save a DTensor whose
+                # local tensor starts inside its storage.
+                view = flat[offset : offset + old.numel()]
+                view = (torch.from_dlpack(view) if view.numel() else view.clone()).view(old.shape)
                 view.copy_(old)
-                ema = DTensor.from_local(
-                    view,
-                    e.ema.device_mesh,
-                    e.ema.placements,
-                    run_check=False,
-                    shape=e.ema.shape,
-                    stride=e.ema.stride(),
-                )
+                ema = _chunked(view, e.ema.device_mesh, e.ema.placements, e.ema.shape)
                 if isinstance(e.ema, nn.Parameter):
                     ema = nn.Parameter(ema, requires_grad=False)
                 out[k] = dataclasses.replace(e, names=list(e.names), ema=ema)
@@ -167,11 +162,9 @@ class ShardSpec:
         ]
         every = [None] * self.world
         dist.all_gather_object(every, signature, group=self.group)
-        problems = []
-        for rank, other in enumerate(every):
-            if rank == 0:
-                continue
-            problems += [f"rank {rank}: {p}" for p in _differences(every[0], other)]
+        problems = [
+            f"rank {r}: {p}" for r in range(1, self.world) for p in _differences(every[0], every[r])
+        ]
         if problems:
             shown = "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
             raise ValueError(
@@ -187,38 +180,27 @@ class ShardSpec:
             )
 
 
-def _alias(view: torch.Tensor) -> torch.Tensor:
-    """The same memory as a tensor of its own (storage offset 0): torch.save cannot save a
-    DTensor whose local tensor starts inside its storage."""
-    return torch.from_dlpack(view) if view.numel() else view.clone()
-
-
 def _checksums(tensors) -> list:
     """Per tensor, the sum of its elements' bit patterns (exact, identical for identical
     values); one host read per device."""
-    sums, where = {}, []
+    sums, by_device = [], {}
     for t in tensors:
-        t = t.detach()
         kind = _INT_OF_SIZE.get(t.element_size())
         if t.is_meta or kind is None or t.dim() == 0 and t.is_complex():
-            where.append(None)
+            sums.append(None)
             continue
-        bits = t.reshape(1) if t.dim() == 0 else t
-        bits = bits.view(kind) if bits.dtype != kind else bits
-        group = sums.setdefault(t.device, [])
-        where.append((t.device, len(group)))
-        group.append(bits.sum(dtype=torch.int64))
-    values = {d: torch.stack(v).tolist() for d, v in sums.items()}
-    return [None if w is None else values[w[0]][w[1]] for w in where]
+        bits = t.detach().reshape(1) if t.dim() == 0 else t.detach()
+        sums.append(bits.view(kind).sum(dtype=torch.int64))
+        by_device.setdefault(t.device, []).append(sums[-1])
+    values = {d: iter(torch.stack(v).tolist()) for d, v in by_device.items()}
+    return [None if s is None else next(values[s.device]) for s in sums]
 
 
 def _differences(mine: list, other: list) -> list:
     """How `other` rank's signature (names, shape, dtype, checksum per tensor) differs."""
-    names_a = [n for t in mine for n in t[0]]
-    names_b = [n for t in other for n in t[0]]
-    if names_a != names_b:
-        extra = [n for n in names_b if n not in set(names_a)]
-        missing = [n for n in names_a if n not in set(names_b)]
+    if [t[0] for t in mine] != [t[0] for t in other]:
+        a, b = ([n for t in signature for n in t[0]] for signature in (mine, other))
+        extra, missing = [n for n in b if n not in set(a)], [n for n in a if n not in set(b)]
         return [f"other tensors (has {extra[:3]}, lacks {missing[:3]})"]
     out = []
     for (names, shape, dtype, checksum), (_, shape_b, dtype_b, checksum_b) in zip(mine, other):
@@ -234,114 +216,80 @@ def _differences(mine: list, other: list) -> list:
 # ---------------------------------------------------------------------- gathering
 
 
-def _comm_device(device: torch.device, group) -> torch.device:
-    """Where a bucket is gathered: with the chunks, unless the backend cannot reach them (a CPU
-    EMA over NCCL gathers on the current GPU)."""
-    if device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def gather_chunks(items: list, group, world: int) -> None:
     """All-gathers tensors split as ModelEma(shard=...) splits them, writing each whole tensor
-    into its target. `items`: [(this rank's chunk, full shape, target or None)], one dtype and
-    device, in the same order on every rank (a rank with None targets takes part without
-    keeping anything). The chunks are laid out end to end, each with its longest chunk's
-    capacity, and gathered in buckets of at most BUCKET_BYTES."""
-    if not items:
-        return
-    first = items[0][0]
-    itemsize = first.element_size()
-    slots, total = layout([tuple(shape) for _, shape, _ in items], world, itemsize)
-    step = max(1, BUCKET_BYTES // (world * itemsize))
-    device = _comm_device(first.device, group)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    staged = {}  # non-contiguous targets: filled whole, then copied in
-    send_buffer = torch.empty(min(step, total), dtype=first.dtype, device=device)
-    out_buffer = torch.empty(world * min(step, total), dtype=first.dtype, device=device)
-    for a in range(0, total, step):
-        b = min(total, a + step)
-        send = send_buffer[: b - a]
-        for (offset, _), (part, _, _) in zip(slots, items):
-            n = part.numel()
-            lo, hi = max(a, offset) - offset, min(b, offset + n) - offset
-            if hi > lo:
-                send[offset + lo - a : offset + hi - a].copy_(part.reshape(-1)[lo:hi])
-        out = out_buffer[: world * (b - a)]
-        all_gather(out, send, group=group)
-        out = out.view(world, b - a)
-        for (offset, capacity), (_, _, target) in zip(slots, items):
-            if target is None or capacity == 0 or offset >= b or offset + capacity <= a:
-                continue
-            _copy_out(out, a, b, offset, capacity, target.numel(), _flat_target(target, staged))
-    for target, whole in staged.values():
-        target.copy_(whole.view(target.shape))
-
-
-def _flat_target(target: torch.Tensor, staged: dict) -> torch.Tensor:
-    if target.is_contiguous():
-        return target.view(-1)
-    if id(target) not in staged:
-        whole = torch.empty(target.numel(), dtype=target.dtype, device=target.device)
-        staged[id(target)] = (target, whole)
-    return staged[id(target)][1]
-
-
-def _copy_out(out, a: int, b: int, offset: int, capacity: int, numel: int, dst) -> None:
-    """The part of one tensor that bucket [a, b) holds: rank r's chunk is elements
-    [r * capacity, (r + 1) * capacity) of the full tensor (the last ones shorter or empty)."""
-    q0, q1 = max(a, offset) - offset, min(b, offset + capacity) - offset
-    col = offset + q0 - a
-    if q0 == 0 and q1 == capacity:  # whole: the full ranks in one copy, then the last one
-        full = numel // capacity
-        if full:
-            dst[: full * capacity].view(full, capacity).copy_(out[:full, col : col + capacity])
-        rest = numel - full * capacity
-        if rest:
-            dst[full * capacity :].copy_(out[full, col : col + rest])
-        return
-    for r in range(out.shape[0]):
-        lo, hi = r * capacity + q0, min(r * capacity + q1, numel)
-        if hi > lo:
-            dst[lo:hi].copy_(out[r, col : col + hi - lo])
-
-
-def _by_kind(items: list) -> list:
-    """`items` split by (dtype, device) of their chunks, in first-seen order."""
+    into its target. `items`: [(this rank's chunk, full shape, target or None)], in the same order
+    on every rank (a rank with None targets takes part without keeping anything). Per dtype and
+    device of the chunks, they are laid out end to end, each with its longest chunk's capacity,
+    and gathered in buckets of at most BUCKET_BYTES."""
     kinds: dict = {}
     for item in items:
         kinds.setdefault((item[0].dtype, item[0].device), []).append(item)
-    return list(kinds.values())
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    for (dtype, device), kind in kinds.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        slots, total = layout([shape for _, shape, _ in kind], world, itemsize)
+        step = max(1, BUCKET_BYTES // (world * itemsize))
+        if device.type == "cpu" and "gloo" not in str(dist.get_backend(group)):
+            device = torch.device("cuda", torch.cuda.current_device())  # NCCL: on the GPU
+        send_buffer = torch.empty(min(step, total), dtype=dtype, device=device)
+        out_buffer = torch.empty(world * min(step, total), dtype=dtype, device=device)
+        # Each target flat: a non-contiguous one is gathered into a copy, then copied in.
+        flats = [t if t is None or t.is_contiguous() else t.new_empty(t.shape) for *_, t in kind]
+        flats = [t if t is None else t.view(-1) for t in flats]
+        for a in range(0, total, step):
+            b = min(total, a + step)
+            send = send_buffer[: b - a]
+            for (offset, _), (part, _, _) in zip(slots, kind):
+                lo, hi = max(a, offset) - offset, min(b, offset + part.numel()) - offset
+                if hi > lo:
+                    send[offset + lo - a : offset + hi - a].copy_(part.reshape(-1)[lo:hi])
+            out = out_buffer[: world * (b - a)]
+            all_gather(out, send, group=group)
+            out = out.view(world, b - a)
+            for (offset, capacity), flat in zip(slots, flats):
+                if flat is not None and capacity and offset < b and offset + capacity > a:
+                    _copy_out(out, a, b, offset, capacity, flat)
+        for (*_, target), flat in zip(kind, flats):
+            if target is not None and not target.is_contiguous():
+                target.copy_(flat.view(target.shape))
+
+
+def _copy_out(out, a: int, b: int, offset: int, capacity: int, dst) -> None:
+    """The part of one tensor that bucket [a, b) holds, into the flat `dst`: rank r's chunk is
+    elements [r * capacity, (r + 1) * capacity) of the full tensor (the last ones shorter or
+    empty), so the full ranks are one strided copy and the one after them a shorter one."""
+    q0, q1 = max(a, offset) - offset, min(b, offset + capacity) - offset
+    col = offset + q0 - a
+    full = dst.numel() // capacity
+    dst[: full * capacity].view(full, capacity)[:, q0:q1].copy_(out[:full, col : col + q1 - q0])
+    lo, hi = full * capacity + q0, min(full * capacity + q1, dst.numel())
+    if hi > lo:
+        dst[lo:hi].copy_(out[full, col : col + hi - lo])
 
 
 def gather_into(pairs) -> None:
     """Writes the full value of every sharded EMA tensor into its target [(ema, target or
     None)]: a collective, in the same order on every rank."""
-    if not pairs:
-        return
-    mesh = pairs[0][0].device_mesh
-    items = [(local(ema), tuple(ema.shape), target) for ema, target in pairs]
-    for kind in _by_kind(items):
-        gather_chunks(kind, mesh.get_group(), mesh.size())
+    if pairs:
+        mesh = pairs[0][0].device_mesh
+        items = [(local(ema), ema.shape, target) for ema, target in pairs]
+        gather_chunks(items, mesh.get_group(), mesh.size())
 
 
 class SavedSlices:
     """Each rank's own chunk of model tensors (1/world of them), so that gathering them puts the
-    whole tensors back."""
+    whole tensors back (restore())."""
 
     def __init__(self, targets, group, world: int, rank: int):
         self.group, self.world = group, world
-        self.items = []
-        for target in targets:
-            d = chunk_dim(target.shape)
-            start, length = chunk(target.shape[d], world, rank) if target.dim() else (0, 1)
-            part = target.narrow(d, start, length) if target.dim() else target
-            own = part.clone(memory_format=torch.contiguous_format)
-            self.items.append((own, target.shape, target))
+        self.items = [
+            (_rows(t, world, rank)[1].clone(memory_format=torch.contiguous_format), t.shape, t)
+            for t in targets
+        ]
 
     def restore(self) -> None:
-        for kind in _by_kind(self.items):
-            gather_chunks(kind, self.group, self.world)
+        gather_chunks(self.items, self.group, self.world)
 
 
 def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> dict:
@@ -354,34 +302,25 @@ def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> d
 def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:
     distributed = dist.is_available() and dist.is_initialized()
     keep = rank is None or not distributed or dist.get_rank() == rank
-    out = {}
-    gathered: dict = {}
+    values = {}  # id(entry) -> its full value (None where this rank keeps nothing)
     replicas = [e for e in entries if replicated and is_dtensor(e.ema)]
-    if replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
-        where = "cpu" if cpu_offload else None
-        full = [
-            torch.empty(e.ema.shape, dtype=e.ema.dtype, device=where or local(e.ema).device)
-            if keep
-            else None
-            for e in replicas
-        ]
-        gather_into([(e.ema, t) for e, t in zip(replicas, full)])
-        gathered = {id(e): t for e, t in zip(replicas, full)}
+    for e in replicas:  # ModelEma(shard=...): bucketed gathers, straight into the results
+        where = "cpu" if cpu_offload else local(e.ema).device
+        values[id(e)] = torch.empty(e.ema.shape, dtype=e.ema.dtype, device=where) if keep else None
+    gather_into([(e.ema, values[id(e)]) for e in replicas])
+    out = {}
     for entry in entries:
-        if id(entry) in gathered:
-            if keep:
-                out.update({name: gathered[id(entry)] for name in entry.names})
-            continue
-        value = entry.ema.detach()
-        bound = entry.bound()
-        if bound is not None and zero3.is_zero3(bound):  # a ZeRO-3 partition: every rank joins
-            value = zero3.gather_full(value, bound)
-        value = value.full_tensor() if is_dtensor(value) else value  # every rank joins
-        if not keep:
-            continue
-        value = value.to("cpu") if cpu_offload else value
-        if value.untyped_storage().data_ptr() == local(entry.ema).untyped_storage().data_ptr():
-            value = value.clone()  # a copy, never the live EMA
-        for name in entry.names:
-            out[name] = value
+        if id(entry) not in values:
+            value = entry.ema.detach()
+            bound = entry.bound()
+            if bound is not None and zero3.is_zero3(bound):  # a ZeRO-3 partition: every rank joins
+                value = zero3.gather_full(value, bound)
+            value = value.full_tensor() if is_dtensor(value) else value  # every rank joins
+            value = value.to("cpu") if cpu_offload and keep else value
+            live = local(entry.ema).untyped_storage().data_ptr()
+            if keep and value.untyped_storage().data_ptr() == live:
+                value = value.clone()  # a copy, never the live EMA
+            values[id(entry)] = value
+        if keep:
+            out.update(dict.fromkeys(entry.names, values[id(entry)]))
     return out

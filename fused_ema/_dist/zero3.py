@@ -18,20 +18,16 @@ def is_zero3(t) -> bool:
     return getattr(t, "ds_tensor", None) is not None and hasattr(t, "ds_numel")
 
 
-def partition_numel(p) -> int:
-    """Elements of each rank's partition of `p` (padding included), the same on every rank."""
-    return p.ds_tensor.ds_numel
-
-
 def offset(p) -> int:
     """Row-major index, in the full flattened `p`, of the first element of this rank's partition
-    (also the key stochastic rounding draws by, so a ZeRO-3 EMA rounds as an unsharded one)."""
-    return dist.get_rank(group=p.ds_process_group) * partition_numel(p)
+    (also the key stochastic rounding draws by, so a ZeRO-3 EMA rounds as an unsharded one). Every
+    rank's partition has p.ds_tensor.ds_numel elements, padding included."""
+    return dist.get_rank(group=p.ds_process_group) * p.ds_tensor.ds_numel
 
 
 def valid_numel(p) -> int:
     """How many of this rank's partition elements are `p`'s (the rest is padding, garbage)."""
-    return max(0, min(partition_numel(p), p.ds_numel - offset(p)))
+    return max(0, min(p.ds_tensor.ds_numel, p.ds_numel - offset(p)))
 
 
 def cut(p) -> tuple[int, int, int]:
@@ -64,7 +60,7 @@ def same_layout(ema: torch.Tensor, p) -> bool:
 def gather_full(ema: torch.Tensor, p) -> torch.Tensor:
     """The whole EMA of ZeRO-3 parameter `p`, in its shape, from every rank's EMA of its valid
     partition (a collective over p's process group: never in update())."""
-    part = partition_numel(p)
+    part = p.ds_tensor.ds_numel  # padding included
     padded = ema.new_zeros(part)
     padded[: ema.numel()] = ema
     out = ema.new_empty(part * dist.get_world_size(group=p.ds_process_group))
