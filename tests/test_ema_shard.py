@@ -39,6 +39,7 @@ def test_sharded_ema_equals_unsharded_ema_bit_for_bit(world, tmp_path):
         assert r["step"] == STEPS
         assert r["differs"] == [], f"rank {rank}: {r['differs']}"
         assert r["cpu_differs"] == [], f"rank {rank}, device='cpu': {r['cpu_differs']}"
+        assert r["small_buckets_differ"] == [], f"rank {rank}: {r['small_buckets_differ']}"
         assert r["sr_differs"] == [], f"rank {rank}, stochastic rounding: {r['sr_differs']}"
         assert r["collectives_in_update"] == 0
         assert r["swapped_same"] and r["swapped_train_same"]
