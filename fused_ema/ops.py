@@ -36,10 +36,7 @@ def lerp_(
     PyTorch's lerp formula in float (double for float64) and match ``torch._foreach_lerp_`` bit
     for bit on the CPU for same-dtype pairs. Bad input raises before anything is written.
     """
-    ema = _tensor_list(ema_tensors, "ema_tensors")
-    src = _tensor_list(src_tensors, "src_tensors")
-    if len(ema) != len(src):
-        raise ValueError(f"{_LERP_OP}ema has {len(ema)} tensors but src has {len(src)}")
+    src, ema = _aligned(_LERP_OP, ("src_tensors", src_tensors), ("ema_tensors", ema_tensors))
     # Numbers go to C++ as they are: it refuses a bool (and a non-finite weight) on every route.
     if isinstance(weight, torch.Tensor):
         op = torch.ops.fused_ema.lerp_.Tensor
@@ -47,8 +44,7 @@ def lerp_(
         op = torch.ops.fused_ema.lerp_.default
     else:
         raise TypeError(f"{_LERP_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
-    if any_dtensor(ema) or any_dtensor(src):
-        ema, src = shard_lists(ema, src)
+    (ema,), src, _ = _local([ema], src)
     op(ema, src, weight)
 
 
@@ -80,10 +76,7 @@ def lerp_stochastic_(
     int or a one-element int64 tensor, each on the EMA's device or the CPU (read by the kernel:
     no host sync, capturable in a CUDA graph). Bad input raises before anything is written.
     """
-    ema = _tensor_list(ema_tensors, "ema_tensors")
-    src = _tensor_list(src_tensors, "src_tensors")
-    if len(ema) != len(src):
-        raise ValueError(f"{_LERP_OP}ema has {len(ema)} tensors but src has {len(src)}")
+    src, ema = _aligned(_SR_OP, ("src_tensors", src_tensors), ("ema_tensors", ema_tensors))
     if isinstance(weight, (bool, complex)) or not isinstance(weight, (float, int, torch.Tensor)):
         raise TypeError(f"{_SR_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     if not isinstance(weight, torch.Tensor):
@@ -95,11 +88,7 @@ def lerp_stochastic_(
     # passes the same lists each step, with no Python loop over them.
     keys = list(range(len(ema))) if keys is None else _int_list(keys)
     offsets = [0] * len(ema) if offsets is None else _int_list(offsets)
-    if any_dtensor(ema) or any_dtensor(src):
-        # A DTensor's elements are numbered in the full tensor: its shard starts further on.
-        if len(offsets) == len(ema):
-            offsets = [o + shard_offset(e, i) for i, (o, e) in enumerate(zip(offsets, ema))]
-        ema, src = shard_lists(ema, src)
+    (ema,), src, offsets = _local([ema], src, offsets)
     torch.ops.fused_ema.lerp_stochastic_(
         ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
     )
@@ -134,8 +123,13 @@ def lerp_many_(
     ``offsets`` one list of N ints shared by the tracks (default 0; a DTensor adds its shard's
     start, as in ``lerp_stochastic_``). Bad input raises before anything is written.
     """
-    src = _tensor_list(src, "src", _MANY_OP)
-    tracks = _track_lists(emas, len(src))
+    if isinstance(emas, torch.Tensor):
+        raise TypeError(f"{_MANY_OP}emas must be a sequence of K tensor lists, got {_type(emas)}")
+    src, *tracks = _aligned(
+        _MANY_OP, ("src", src), *((f"emas[{k}]", t) for k, t in enumerate(emas))
+    )
+    if not tracks:
+        raise ValueError(f"{_MANY_OP}emas holds no track; pass K >= 1 lists of EMA tensors")
     weights = _weights(weights, len(tracks), _MANY_OP)
     if seed is None:
         if step is not None or keys is not None or offsets is not None:
@@ -145,29 +139,12 @@ def lerp_many_(
         seeds = _track_seeds(seed, len(tracks))
         keys = _track_keys(keys, len(tracks), len(src))
         offsets = [0] * len(src) if offsets is None else _int_list(offsets)
-    if any(any_dtensor(track) for track in tracks) or any_dtensor(src):
-        if seed is not None and len(offsets) == len(src):
-            offsets = [o + shard_offset(e, i) for i, (o, e) in enumerate(zip(offsets, tracks[0]))]
-        shards = [shard_lists(track, src) for track in tracks]
-        tracks, src = [track for track, _ in shards], shards[0][1]
+    tracks, src, offsets = _local(tracks, src, offsets)
     flat = [t for track in tracks for t in track]
     if seed is None:
         torch.ops.fused_ema.lerp_many_(flat, src, weights)
     else:
         torch.ops.fused_ema.lerp_many_stochastic_(flat, src, weights, step, seeds, keys, offsets)
-
-
-def _track_lists(emas, count: int) -> list:
-    """emas as K >= 1 lists of `count` tensors each."""
-    if isinstance(emas, torch.Tensor):
-        raise TypeError(f"{_MANY_OP}emas must be a sequence of K tensor lists, got {_type(emas)}")
-    tracks = [_tensor_list(track, f"emas[{k}]", _MANY_OP) for k, track in enumerate(emas)]
-    if not tracks:
-        raise ValueError(f"{_MANY_OP}emas holds no track; pass K >= 1 lists of EMA tensors")
-    for k, track in enumerate(tracks):
-        if len(track) != count:
-            raise ValueError(f"{_MANY_OP}emas[{k}] has {len(track)} tensors but src has {count}")
-    return tracks
 
 
 def _track_seeds(seed, count: int) -> list:
@@ -222,16 +199,9 @@ def bema_(
     elements on the EMAs' device or the CPU (read by the kernel: no host sync, capturable in a
     CUDA graph). Bad input raises before anything is written.
     """
-    src = _tensor_list(src, "src", _BEMA_OP)
-    names = ("ema", "theta0", "out")
-    lists = [_tensor_list(t, name, _BEMA_OP) for t, name in zip((ema, theta0, out), names)]
-    for tensors, name in zip(lists, names):
-        if len(tensors) != len(src):
-            raise ValueError(f"{_BEMA_OP}{name} has {len(tensors)} tensors but src has {len(src)}")
+    src, *lists = _aligned(_BEMA_OP, ("src", src), ("ema", ema), ("theta0", theta0), ("out", out))
     weights = _weights(weights, 3, _BEMA_OP, ("beta", "w0", "alpha"))
-    if any(any_dtensor(tensors) for tensors in lists) or any_dtensor(src):
-        shards = [shard_lists(tensors, src) for tensors in lists]
-        lists, src = [tensors for tensors, _ in shards], shards[0][1]
+    lists, src, _ = _local(lists, src)
     torch.ops.fused_ema.bema_(*lists, src, weights)
 
 
@@ -284,13 +254,31 @@ def _type(value) -> str:
     return type(value).__name__
 
 
-def _tensor_list(
-    tensors: Sequence[torch.Tensor], name: str, op: str = _LERP_OP
-) -> list[torch.Tensor]:
-    if isinstance(tensors, torch.Tensor):
-        raise TypeError(f"{op}{name} must be a sequence of tensors, not a tensor")
-    tensors = tensors if isinstance(tensors, list) else list(tensors)
-    return tensors
+def _aligned(op: str, *named: tuple) -> list[list[torch.Tensor]]:
+    """The tensor sequences given as (argument name, sequence), src first, as lists, each as
+    long as src."""
+    lists = []
+    for name, tensors in named:
+        if isinstance(tensors, torch.Tensor):
+            raise TypeError(f"{op}{name} must be a sequence of tensors, not a tensor")
+        lists.append(tensors if isinstance(tensors, list) else list(tensors))
+        if len(lists[-1]) != len(lists[0]):
+            what = name.removesuffix("_tensors")
+            raise ValueError(f"{op}{what} has {len(lists[-1])} tensors but src has {len(lists[0])}")
+    return lists
+
+
+def _local(lists: list, src: list, offsets: list | None = None) -> tuple:
+    """(lists, src, offsets) with DTensors as their local shards (lerp is elementwise: each rank
+    updating its own shard is the whole update), `offsets` (one per src tensor, unless its length
+    is wrong: C++ reports that) moved on by the index of each shard's first element in its full
+    tensor. Plain tensors' lists come back as they are."""
+    if not (any_dtensor(src) or any(any_dtensor(tensors) for tensors in lists)):
+        return lists, src, offsets
+    if offsets is not None and len(offsets) == len(src):
+        offsets = [o + shard_offset(e, i) for i, (o, e) in enumerate(zip(offsets, lists[0]))]
+    shards = [shard_lists(tensors, src) for tensors in lists]
+    return [tensors for tensors, _ in shards], shards[0][1], offsets
 
 
 def build_info() -> dict:
