@@ -13,32 +13,6 @@ from torch import nn
 from ..ema import ModelEma
 
 
-def check_ema_arguments(ema, decay, ema_kwargs: dict, **flags) -> dict | None:
-    """Checks the True/False `flags` and the ModelEma keywords now, with ModelEma's own messages,
-    instead of at the first training step: a throwaway EMA of a one-parameter module (device left
-    out: the callback is often built before the devices are set up, and a CUDA device must not be
-    touched here). Returns the keywords to build the EMA with, None for the caller's `ema`."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if ema is not None:
-        if not isinstance(ema, ModelEma):
-            raise TypeError(f"ema must be a fused_ema.ModelEma, got {type(ema).__name__}")
-        if ema_kwargs or decay is not None:
-            raise ValueError(
-                "pass either a ModelEma (ema=) or its keywords (decay=, ...), not both"
-            )
-        return None
-    kwargs = dict(ema_kwargs)
-    if decay is not None:
-        kwargs["decay"] = decay
-    probe = {key: value for key, value in kwargs.items() if key != "device"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ModelEma(nn.Linear(1, 1, bias=False, dtype=torch.float32), **probe)
-    return kwargs
-
-
 class HeldSwap:
     """`ema.swapped(model)` entered in one hook and left in another (Lightning's evaluation start
     and end, left also when the framework reports an exception), or around a Trainer's evaluate().
@@ -73,6 +47,32 @@ class HeldSwap:
         finally:
             if target is not None:
                 self.enter(*target)
+
+
+def hold_ema(callback, ema, decay, ema_kwargs: dict, **flags) -> None:
+    """A callback's EMA arguments, checked now with ModelEma's own messages instead of at the first
+    training step (a throwaway EMA of a one-parameter module; device left out: the callback is
+    often built before the devices are set up, and a CUDA device must not be touched here), set
+    on it: the True/False `flags` as attributes, `ema` (the caller's ModelEma, or None until one
+    is built from `_ema_kwargs`, which is None for the caller's) and `_swap`, a HeldSwap."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    kwargs = None
+    if ema is not None:
+        if not isinstance(ema, ModelEma):
+            raise TypeError(f"ema must be a fused_ema.ModelEma, got {type(ema).__name__}")
+        if ema_kwargs or decay is not None:
+            raise ValueError(
+                "pass either a ModelEma (ema=) or its keywords (decay=, ...), not both"
+            )
+    else:
+        kwargs = {**ema_kwargs, **({} if decay is None else {"decay": decay})}
+        probe = {key: value for key, value in kwargs.items() if key != "device"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ModelEma(nn.Linear(1, 1, bias=False, dtype=torch.float32), **probe)
+    vars(callback).update(flags, ema=ema, _ema_kwargs=kwargs, _swap=HeldSwap())
 
 
 def whole_state_dict(ema) -> dict:

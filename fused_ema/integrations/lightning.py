@@ -14,7 +14,7 @@ except ImportError:  # only the older distribution is installed
     from pytorch_lightning.callbacks import Callback
 
 from ..ema import ModelEma
-from ._common import HeldSwap, check_ema_arguments
+from ._common import hold_ema
 
 __all__ = ["EMACallback"]
 
@@ -53,14 +53,10 @@ class EMACallback(Callback):
     ):
         super().__init__()
         flags = dict(swap_eval=swap_eval, copy_to_model_at_end=copy_to_model_at_end)
-        self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs, **flags)  # None: `ema`
-        self.ema: ModelEma | None = ema
+        hold_ema(self, ema, decay, ema_kwargs, **flags)  # self.ema, self._ema_kwargs, self._swap
         self._module_ref = None
         self._pending: dict | None = None  # callback state loaded before the EMA was bound
         self._last_step: int | None = None
-        self._swap = HeldSwap()
-        self.swap_eval = swap_eval
-        self.copy_to_model_at_end = copy_to_model_at_end
 
     # ------------------------------------------------------------------ binding and state
 

@@ -16,7 +16,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..bema import Bema, check_bema_options
 from ..checkpoint import atomic_write
 from ..ema import ModelEma
-from ._common import HeldSwap, check_ema_arguments, whole_state_dict
+from ._common import hold_ema, whole_state_dict
 
 __all__ = [
     "BEMACallback",
@@ -72,13 +72,9 @@ class EMACallback(TrainerCallback):
     ):
         if on_missing not in ("error", "restart"):
             raise ValueError(f"on_missing must be one of ('error', 'restart'), got {on_missing!r}")
-        flags = dict(copy_to_model_at_end=copy_to_model_at_end)
-        self._ema_kwargs = check_ema_arguments(ema, decay, ema_kwargs, **flags)  # None: `ema`
-        self.ema: ModelEma | None = ema
-        self.copy_to_model_at_end = copy_to_model_at_end
+        hold_ema(self, ema, decay, ema_kwargs, copy_to_model_at_end=copy_to_model_at_end)
         self.resume_from = resume_from
         self.on_missing = on_missing
-        self._swap = HeldSwap()  # the EMA weights in the model while evaluating
 
     # ------------------------------------------------------------------ training
 
