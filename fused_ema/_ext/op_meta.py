@@ -13,18 +13,10 @@ from .loader import _C
 SUPPORTED_DTYPE_PAIRS = tuple((getattr(torch, e), getattr(torch, s)) for e, s in _C.DTYPE_PAIRS)
 
 
-# The fused ops that write tensors, by overload. Each one's fake kernel runs the C++ kernel's own
-# checks, its twin in fused_ema_checks (csrc/fused_op_kernels.cpp, csrc/schedule.cpp): metadata
-# only, on the FakeTensors' devices, so a traced call fails with the message an eager one gives.
-_WRITING_OPS = (
-    ("lerp_", "default"),
-    ("lerp_", "Tensor"),
-    ("lerp_stochastic_", "default"),
-    ("lerp_many_", "default"),
-    ("lerp_many_stochastic_", "default"),
-    ("bema_", "default"),
-    ("ema_schedule_", "default"),
-)
+# The fused ops that write tensors. Each overload's fake kernel runs the C++ kernel's own checks,
+# its twin in fused_ema_checks (csrc/fused_op_kernels.cpp, csrc/schedule.cpp): metadata only, on
+# the FakeTensors' devices, so a traced call fails with the message an eager one gives.
+_WRITING_OPS = "lerp_ lerp_stochastic_ lerp_many_ lerp_many_stochastic_ bema_ ema_schedule_".split()
 
 
 def _register_fake(name: str, overload: str) -> None:
@@ -84,5 +76,6 @@ def _refuse_meta(op: str, values: list) -> None:
             )
 
 
-for _name, _overload in _WRITING_OPS:
-    _register_fake(_name, _overload)
+for _name in _WRITING_OPS:
+    for _overload in getattr(torch.ops.fused_ema_checks, _name).overloads():
+        _register_fake(_name, _overload)

@@ -97,16 +97,6 @@ def _serve(jobs: queue.SimpleQueue) -> None:
 UPDATES = Worker()  # the CPU halves of non_blocking updates
 SNAPSHOTS = Worker()  # PostHocEma's snapshot files (their disk time apart from the updates)
 
-
-def _drain_all() -> None:
-    for worker in (UPDATES, SNAPSHOTS):
-        worker.drain()
-
-
-def _forget_threads() -> None:
-    for worker in (UPDATES, SNAPSHOTS):
-        worker.forget()
-
-
-atexit.register(_drain_all)
-os.register_at_fork(after_in_child=_forget_threads)
+for _worker in (SNAPSHOTS, UPDATES):  # (atexit runs last registered first: updates drained first)
+    atexit.register(_worker.drain)
+    os.register_at_fork(after_in_child=_worker.forget)
