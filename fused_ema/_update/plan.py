@@ -11,6 +11,7 @@ import operator
 import weakref
 import zlib
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -24,11 +25,19 @@ from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochast
 _STAGING_ALIGN_BYTES = 64
 
 
-def take(walk: list, indices: tuple) -> list:
-    """[walk[i] for i in indices] (indices not empty), as one C loop of operator.itemgetter."""
+def taker(indices: tuple):
+    """A function of a walk returning [walk[i] for i in indices], as one C loop of
+    operator.itemgetter."""
+    if not indices:
+        return lambda walk: []
+    get = operator.itemgetter(*indices)
     if len(indices) == 1:  # itemgetter of one index returns the item itself
-        return [walk[indices[0]]]
-    return list(operator.itemgetter(*indices)(walk))
+        return lambda walk: [get(walk)]
+    return lambda walk: list(get(walk))
+
+
+def take(walk: list, indices: tuple) -> list:
+    return taker(indices)(walk)
 
 
 def walk_signature(walk: list) -> list:
@@ -122,12 +131,17 @@ class DeviceGroup:
     def sources(self, walk: list) -> list:
         if self.whole:
             return walk
-        out = take(walk, self.direct) if self.direct else []
+        out = self._take(walk)
         if self.shards:
             out += [walk[i]._local_tensor for i in self.shards]
         if self.cuts:
             out += [zero3.base(walk[i]).narrow(d, s, n) for i, d, s, n in self.cuts]
         return out + self.staging
+
+    @cached_property
+    def _take(self):
+        """taker(self.direct), built once (direct is set before the first update)."""
+        return taker(self.direct)
 
     def staged_copies(self, walk: list) -> list:
         return [(view, _part(walk[i], cut)) for view, (i, cut) in zip(self.staging, self.staged)]

@@ -206,6 +206,9 @@ class Schedule:
         self.step = torch.zeros((), dtype=torch.int64, device=device)
         self._saved = torch.zeros_like(self.step)
         self.out = torch.zeros(2, dtype=torch.float64, device=device)  # (weight, decay)
+        # The current step's weight, what the fused kernel reads (no host sync): a view of out,
+        # made again wherever out is replaced (place, a copy or unpickling).
+        self.weight = self.out[:1]
         self.config = torch.tensor(_config_values(self.options), dtype=torch.float64)
         self.config = self.config.to(device)
         without_grad(self._compute, False)
@@ -214,12 +217,6 @@ class Schedule:
     @property
     def device(self) -> torch.device:
         return self.step.device
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The current step's weight, what the fused kernel reads (no host sync): a view of out,
-        made on each read so that a copy or pickle never holds it apart from out."""
-        return self.out[:1]
 
     def _compute(self, advance: bool) -> None:
         torch.ops.fused_ema.ema_schedule_(self.step, self.out, self.config, advance)
@@ -306,8 +303,13 @@ class Schedule:
             )
         step = self.step.to(device)
         self.step, self.out = step, self.out.to(device)
+        self.weight = self.out[:1]
         self._saved = torch.zeros_like(step)
         self.config = self.config.to(device)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.weight = self.out[:1]  # a view of this copy's out, whatever the copy made of it
 
     def value(self) -> int:
         return int(self.step.item())
