@@ -228,7 +228,7 @@ class Checked:
         self.refs, self.signature = refs(walk), walk_signature(walk)
 
     def matches(self, model: nn.Module) -> bool:
-        """UpdatePlan.matches and same_tensors: the same objects, holding the same tensors."""
+        """Binding.plan_for's walk_matches and same_tensors: the same objects, same tensors."""
         walk = _C.tensor_walk(model, self.with_buffers)
         return _C.walk_matches(walk, self.refs) and walk_signature(walk) == self.signature
 

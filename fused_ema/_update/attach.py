@@ -20,7 +20,11 @@ class StepHook:
 
     def __call__(self, optimizer, args, kwargs) -> None:
         ema = self._ema()
-        if ema is None or _skipped(optimizer):
+        # A GradScaler sets found_inf (inf/NaN gradients) on optimizers that skip steps by
+        # themselves (torch's fused ones) for the duration of step(); reading it costs one sync,
+        # as the scaler's own check does.
+        found_inf = getattr(optimizer, "found_inf", None)
+        if ema is None or (isinstance(found_inf, torch.Tensor) and bool(found_inf)):
             return
         model = self._model() if self._model is not None else ema._binding.model_ref()
         if model is None:
@@ -29,14 +33,6 @@ class StepHook:
                 "remove the handle, or attach again with attach(optimizer, model)"
             )
         ema.update(model, non_blocking=self.non_blocking)
-
-
-def _skipped(optimizer) -> bool:
-    """Whether a GradScaler told this step to skip itself (inf/NaN gradients). GradScaler sets
-    ``found_inf`` on optimizers that skip by themselves (torch's fused ones) for the duration of
-    step(); reading it costs one sync, as the scaler's own check does."""
-    found_inf = getattr(optimizer, "found_inf", None)
-    return isinstance(found_inf, torch.Tensor) and bool(found_inf)
 
 
 def attach(ema, optimizer, model, non_blocking: bool, live: weakref.WeakSet):

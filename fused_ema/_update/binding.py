@@ -86,12 +86,8 @@ class Binding:
         """The model's walk and the hash of its names; the hash is None when the current plan
         (for `snapshot`) vouches, through what its last walk read, that the model holds the same
         tensor objects under the same names."""
-        plan = self.plan
-        if plan is not None and plan.snapshot == snapshot:
-            walk = plan.unchanged_walk(model)
-            if walk is not None:
-                return walk, None
-        return _C.tensor_walk(model, self.with_buffers, True)
+        walk = self.plan.unchanged_walk(model) if self.vouches(snapshot) else None
+        return (walk, None) if walk is not None else _C.tensor_walk(model, self.with_buffers, True)
 
     def vouches(self, snapshot) -> bool:
         """Whether the current plan (for `snapshot`) may be used when the model is unchanged."""
@@ -102,23 +98,21 @@ class Binding:
         make it (None when the current plan fits). `trusted`: the prepared update checks what the
         tensors hold, so the plan need only hold the same objects."""
         plan = self.plan
-        if plan is not None and plan.snapshot == snapshot:
-            if (names is None or plan.matches(walk, names)) and (
-                trusted or plan.same_tensors(walk)
-            ):
-                if names is not None:
-                    plan.remember(model, walk, self.with_buffers)
+        if self.vouches(snapshot) and (trusted or plan.same_tensors(walk)):
+            if names is None:  # the walk cache vouched for the objects and names
+                return plan, None
+            if names == plan.names and _C.walk_matches(walk, plan.refs):  # the same objects
+                plan.remember(model, walk, self.with_buffers)
                 return plan, None
         if names is None:  # the plan's objects, holding other tensors: planned again
             names = _C.tensor_walk(model, self.with_buffers, True)[1]
         tracked = self.tracked(model)
         table = self.table
         changes = table.changes(tracked)
-        if changes:
-            if self.on_mismatch == "error":
-                raise changes.error(_RESYNC_HINT)
-            table = self._followed(tracked)
-        elif changes.partitioned:  # by ZeRO-3 since the EMA was built: each rank keeps its slice
+        if changes and self.on_mismatch == "error":
+            raise changes.error(_RESYNC_HINT)
+        # Changed, or partitioned by ZeRO-3 since the EMA was built (each rank keeps its slice).
+        if changes or changes.partitioned:
             table = self._followed(tracked)
         plan, undo = self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
         plan.remember(model, walk, self.with_buffers)
@@ -126,8 +120,7 @@ class Binding:
 
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)
-        table = self._followed(tracked)
-        self.adopt(ema, model, table, tracked, schedule)
+        self.adopt(ema, model, self._followed(tracked), tracked, schedule)
 
     def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False):
         """Makes `table` the binding's, placed for `model`, with a plan for `walk`; builds

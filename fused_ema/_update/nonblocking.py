@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from .._ext.worker import UPDATES, Job
+from .plan import copy_pairs
 
 
 class AsyncRunner:
     def __init__(self):
-        self._worker = UPDATES
         self._pending: Job | None = None
         self._side_streams: dict = {}
 
@@ -24,13 +24,11 @@ class AsyncRunner:
         """Starts the copies into staging: CPU sources at once, GPU sources on a side stream that
         first waits for the training stream; the training stream then waits for the copies, so
         no later kernel (the next optimizer step) writes a weight before it has been read."""
-        events, by_device, now = [], {}, []
+        events, by_device = [], {}  # None: the CPU sources
         for view, src in pairs:
-            if src.device.type == "cuda":
-                by_device.setdefault(src.device, []).append((view, src))
-            else:
-                now.append((view, src))
-        _copy_pairs(now)
+            device = src.device if src.device.type == "cuda" else None
+            by_device.setdefault(device, []).append((view, src))
+        copy_pairs(by_device.pop(None, []))
         for device, device_pairs in by_device.items():
             current = torch.cuda.current_stream(device)
             side = self._side_streams.get(device)
@@ -38,7 +36,7 @@ class AsyncRunner:
                 side = self._side_streams[device] = torch.cuda.Stream(device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                _copy_pairs(device_pairs, non_blocking=True)
+                copy_pairs(device_pairs, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
             current.wait_event(done)
@@ -54,7 +52,7 @@ class AsyncRunner:
         self._pending = Job(fn)
 
     def launch(self) -> None:
-        self._worker.put(self._pending)
+        UPDATES.put(self._pending)
 
     def settle(self, started) -> None:
         """After a call that prepared a job raised, before it decides whether its update
@@ -79,10 +77,3 @@ class AsyncRunner:
             self._pending = None
             if error is not None:
                 raise error
-
-
-def _copy_pairs(pairs, non_blocking: bool = False) -> None:
-    """view <- src for every (view, src), by one call."""
-    if pairs:
-        views, srcs = zip(*pairs)
-        torch._foreach_copy_(list(views), list(srcs), non_blocking=non_blocking)

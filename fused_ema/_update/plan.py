@@ -21,6 +21,8 @@ from .._ext.loader import _C
 from .._model.tracking import EntryTable
 from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochastic_
 
+# The fused call a device group makes (DeviceGroup.kind; csrc/prepared_update.h's FusedKind).
+LERP, LERP_STOCHASTIC, LERP_MANY, LERP_MANY_STOCHASTIC, BEMA = range(5)
 # Staged views start at multiples of this many bytes, so that vector loads stay aligned.
 _STAGING_ALIGN_BYTES = 64
 
@@ -72,60 +74,46 @@ class DeviceGroup:
     followers: tuple = ()
     joint: str = "lerp_many"
 
+    @property
+    def kind(self) -> int:
+        """The fused call this group makes: LERP, LERP_STOCHASTIC, LERP_MANY,
+        LERP_MANY_STOCHASTIC or BEMA (no stochastic rounding: Bema rounds to nearest)."""
+        if self.joint == "bema":
+            return BEMA
+        return (LERP_MANY if self.followers else LERP) + (self.seed is not None)
+
     def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
         if not weight.is_cpu and weight.device != self.device:
             weight = weight.to(self.device)  # a device weight for another device
-        if self.followers:
-            self._lerp_many(sources, weight, step)
-            return
-        if self.seed is None:
+        groups, kind = (self, *self.followers), self.kind
+        if kind == BEMA:
+            bema_(*(g.ema for g in groups), sources, weight)
+        elif kind == LERP:
             lerp_(self.ema, sources, weight)
-            return
-        if not step.is_cpu and step.device != self.device:
-            step = step.to(self.device)
-        lerp_stochastic_(
-            self.ema,
-            sources,
-            weight,
-            seed=self.seed,
-            step=step,
-            keys=self.keys,
-            offsets=self.offsets,
-        )
-
-    def _lerp_many(self, sources: list, weights: torch.Tensor, step: torch.Tensor) -> None:
-        groups = (self, *self.followers)
-        emas = [g.ema for g in groups]
-        if self.joint == "bema":
-            bema_(*emas, sources, weights)  # no stochastic rounding: Bema rounds to nearest
-            return
-        if self.seed is None:
-            lerp_many_(emas, sources, weights)
-            return
-        if not step.is_cpu and step.device != self.device:
-            step = step.to(self.device)
-        lerp_many_(
-            emas,
-            sources,
-            weights,
-            seed=[g.seed for g in groups],
-            step=step,
-            keys=[g.keys for g in groups],
-            offsets=self.offsets,
-        )
+        elif kind == LERP_MANY:
+            lerp_many_([g.ema for g in groups], sources, weight)
+        else:
+            if not step.is_cpu and step.device != self.device:
+                step = step.to(self.device)
+            if kind == LERP_STOCHASTIC:
+                fused, emas, seed, keys = lerp_stochastic_, self.ema, self.seed, self.keys
+            else:
+                fused, emas = lerp_many_, [g.ema for g in groups]
+                seed, keys = [g.seed for g in groups], [g.keys for g in groups]
+            fused(emas, sources, weight, seed=seed, step=step, keys=keys, offsets=self.offsets)
 
     def joined(self, others: list, joint: str = "lerp_many") -> DeviceGroup:
         """This group updating the groups `others` too, from its sources: theirs must list EMA
         tensors for the same sources, in the same order (plans of one walk, one policy)."""
-        for other in others:
-            same = (other.direct, other.shards, other.cuts, other.staged, other.offsets)
-            if same != (self.direct, self.shards, self.cuts, self.staged, self.offsets) or (
-                (other.seed is None) != (self.seed is None)
-            ):
-                raise RuntimeError(
-                    f"fused_ema: the EMAs updated together place their tensors on {self.device} "
-                    "differently (another dtype or device policy): they cannot share one pass"
-                )
+
+        def layout(g):
+            return g.direct, g.shards, g.cuts, g.staged, g.offsets, g.seed is None
+
+        if any(layout(other) != layout(self) for other in others):
+            raise RuntimeError(
+                f"fused_ema: the EMAs updated together place their tensors on {self.device} "
+                "differently (another dtype or device policy): they cannot share one pass"
+            )
         return replace(self, followers=tuple(others), joint=joint)
 
     def sources(self, walk: list) -> list:
@@ -146,6 +134,10 @@ class DeviceGroup:
     def staged_copies(self, walk: list) -> list:
         return [(view, _part(walk[i], cut)) for view, (i, cut) in zip(self.staging, self.staged)]
 
+    def write(self, values: list, weight, step, landed: bool = False) -> None:
+        """The lerp toward the walk's `values`, or (`landed`) toward the staging they landed in."""
+        self.lerp(self.staging if landed else self.sources(values), weight, step)
+
 
 @dataclass
 class CopyGroup:
@@ -154,6 +146,14 @@ class CopyGroup:
     ema: list = field(default_factory=list)
     index: list = field(default_factory=list)
     staging: list = field(default_factory=list)  # snapshot plans: where CPU copies land first
+
+    def staged_copies(self, walk: list) -> list:
+        return [(view, zero3.copied(walk[i])) for view, i in zip(self.staging, self.index)]
+
+    def write(self, values: list, weight, step, landed: bool = False) -> None:
+        """Copies the walk's `values`, or (`landed`) the staging they landed in."""
+        src = self.staging if landed else [zero3.copied(values[i]) for i in self.index]
+        torch._foreach_copy_(self.ema, src)
 
 
 class UpdatePlan:
@@ -164,17 +164,13 @@ class UpdatePlan:
         self.names = names  # the walk's hash of every module, parameter and buffer name
         self.refs = tuple(None if t is None else weakref.ref(t) for t in walk)
         self.signature = walk_signature(walk)
-        position: dict = {}
-        for i, t in enumerate(walk):
-            position.setdefault(id(t), i)
+        position = {id(t): i for i, t in reversed(list(enumerate(walk)))}  # first occurrences
         self.groups: dict[torch.device, DeviceGroup] = {}
         self.copies: dict[tuple, CopyGroup] = {}
-        direct: dict = {}
-        shards: dict = {}
-        cuts: dict = {}
+        fed: dict = {}  # (device, 0 plain / 1 DTensor / 2 rows) -> [(EMA tensor, source)]
         staged: dict = {}
-        streams: dict = {}
-        firsts: dict = {}  # id(EMA tensor) -> index of its first element in the full tensor
+        # id(EMA tensor) -> (its name, the index of its first element in the full tensor)
+        rounding: dict = {}
         for entry in table.entries:
             index = position[id(entry.bound())]
             ema, src = local(entry.ema), local(walk[index])
@@ -193,25 +189,23 @@ class UpdatePlan:
             if zero3.is_zero3(walk[index]):  # a ZeRO-3 parameter: its partition's valid part
                 cut = zero3.cut(walk[index])
                 src = _part(walk[index], cut)
-                firsts[id(ema)] = zero3.offset(walk[index])
+                first = zero3.offset(walk[index])
             else:
                 cut = replica_cut(entry.ema, walk[index])  # ModelEma(shard=...): its rows only
-                firsts[id(ema)] = shard_offset(entry.ema, 0) if is_dtensor(entry.ema) else 0
+                first = shard_offset(entry.ema, 0) if is_dtensor(entry.ema) else 0
+            rounding[id(ema)] = (entry.name, first)
             supported = (ema.dtype, src.dtype) in SUPPORTED_DTYPE_PAIRS
             if not snap and src.device == device and supported:
-                if cut is not None:
-                    cuts.setdefault(device, []).append((ema, (index, *cut)))
-                else:
-                    bucket = shards if is_dtensor(walk[index]) else direct
-                    bucket.setdefault(device, []).append((ema, index))
+                kind = 2 if cut is not None else int(is_dtensor(walk[index]))
+                item = index if cut is None else (index, *cut)
+                fed.setdefault((device, kind), []).append((ema, item))
             else:
                 dtype = src.dtype if supported else ema.dtype
                 staged.setdefault((device, src.device, dtype), []).append((ema, (index, cut)))
-            streams[id(ema)] = entry
         for device, group in self.groups.items():  # plain sources, then shards, then cuts
-            fed = [bucket.get(device, []) for bucket in (direct, shards, cuts)]
-            group.ema += [e for items in fed for e, _ in items]
-            plain, group.shards, group.cuts = ([i for _, i in items] for items in fed)
+            items = [fed.get((device, kind), []) for kind in range(3)]
+            group.ema += [e for kind in items for e, _ in kind]
+            plain, group.shards, group.cuts = ([i for _, i in kind] for kind in items)
             group.direct = tuple(plain)
             group.whole = group.direct == tuple(range(len(walk)))
         for (device, src_device, dtype), items in staged.items():
@@ -226,12 +220,9 @@ class UpdatePlan:
         for group in self.groups.values():
             if seed is not None and any(e.dtype in _ROUNDED for e in group.ema):
                 group.seed = seed
-                group.keys = [stream_key(streams[id(e)].name) for e in group.ema]
-                group.offsets = [firsts[id(e)] for e in group.ema]
-        # One EMA tensor per write: its version counter moves when that write happens.
-        self._probes = [g.ema[0] for g in self.groups.values()]
-        self._probes += [c.ema[0] for c in self.copies.values()]
-        self.marks: list | None = None  # the probes' versions as the latest run began
+                group.keys = [stream_key(rounding[id(e)][0]) for e in group.ema]
+                group.offsets = [rounding[id(e)][1] for e in group.ema]
+        self.marks: list | None = None  # versions() as the latest run began
         self._walk_cache = None  # what the walk read, once a model matched this plan
         self._joined = None  # (the other plans, the plan joined with them), from joined()
 
@@ -240,30 +231,23 @@ class UpdatePlan:
         model) as one update: each device's sources are staged and read once for every EMA
         (ops.lerp_many_), each plan's copies run, and it is all or nothing across them. It
         runs with one weight per plan, this one's first."""
-        cached = self._joined
-        if cached is not None and len(cached[0]) == len(others):
-            if all(a is b for a, b in zip(cached[0], others)):
-                return cached[1]
+        if self._joined is not None and self._joined[0] == tuple(others):  # plans by identity
+            return self._joined[1]
+        if any(set(p.groups) != set(self.groups) for p in others):
+            raise RuntimeError(
+                "fused_ema: the EMAs updated together keep their tensors on different "
+                "devices: they cannot share one pass"
+            )
         joint = copy.copy(self)
-        joint._joined = None
-        joint.groups = {}
-        for device, group in self.groups.items():
-            theirs = [p.groups.get(device) for p in others]
-            if any(g is None for g in theirs) or any(
-                set(p.groups) != set(self.groups) for p in others
-            ):
-                raise RuntimeError(
-                    "fused_ema: the EMAs updated together keep their tensors on different "
-                    "devices: they cannot share one pass"
-                )
-            joint.groups[device] = group.joined(theirs, how)
-        joint.copies = {}
-        for k, plan in enumerate((self, *others)):
-            for key, group in plan.copies.items():
-                joint.copies[(k, *key)] = group
-        joint._probes = [g.ema[0] for g in joint.groups.values()]
-        joint._probes += [c.ema[0] for c in joint.copies.values()]
-        joint.marks = None
+        joint._joined, joint.marks = None, None
+        joint.groups = {
+            d: g.joined([p.groups[d] for p in others], how) for d, g in self.groups.items()
+        }
+        joint.copies = {
+            (k, *key): group
+            for k, plan in enumerate((self, *others))
+            for key, group in plan.copies.items()
+        }
         self._joined = (tuple(others), joint)
         return joint
 
@@ -281,11 +265,6 @@ class UpdatePlan:
         cache = self._walk_cache
         return None if cache is None else _C.walk_unchanged(cache, model)
 
-    def matches(self, walk: list, names: int) -> bool:
-        """Whether the model holds exactly the tensor objects this plan was built for, under the
-        same names."""
-        return names == self.names and _C.walk_matches(walk, self.refs)
-
     def same_tensors(self, walk: list) -> bool:
         """Whether the walk's tensors (this plan's objects) keep their types, dtypes, layouts,
         devices and shapes."""
@@ -296,14 +275,16 @@ class UpdatePlan:
         return any(g.staging for g in self.groups.values())
 
     def staging_bytes(self) -> int:
-        views = [v for g in self.groups.values() for v in g.staging]
-        views += [v for c in self.copies.values() for v in c.staging]
+        views = [v for g in (*self.groups.values(), *self.copies.values()) for v in g.staging]
         return sum(v.numel() * v.element_size() for v in views)
+
+    def versions(self) -> list:
+        """The version counter of one EMA tensor per write (it moves when that write happens)."""
+        return [g.ema[0]._version for g in (*self.groups.values(), *self.copies.values())]
 
     def started(self) -> bool:
         """Whether the run begun last has written anything."""
-        marks = self.marks
-        return marks is not None and any(p._version != m for p, m in zip(self._probes, marks))
+        return self.marks is not None and self.versions() != self.marks
 
     # ------------------------------------------------------------------ running
 
@@ -312,73 +293,57 @@ class UpdatePlan:
         `sources` (the walk's values, from a traced program) replaces the model's tensors as what
         is averaged toward."""
         values = walk if sources is None else sources
-        self.marks = [p._version for p in self._probes]
-        copies = [(lambda c=c: self._copy(c, values), c.ema[0]) for c in self.copies.values()]
+        self.marks = self.versions()
+        groups = list(self.groups.values())
         if self.has_staging and _zero_on_host(weight):
             # Cross-device copies are not free: skip them on the steps update_every leaves out.
             # (Same-device updates never read the weight in Python.)
-            _run_to_the_end(copies)
-            return
-        self._stage(self.groups.values(), values)
-        lerps = [
-            (lambda g=g: g.lerp(g.sources(values), weight, step), g.ema[0])
-            for g in self.groups.values()
-        ]
-        _run_to_the_end(lerps + copies)
+            groups = []
+        self._stage(groups, values)
+        _write_all([*groups, *self.copies.values()], values, weight, step)
 
     def start(self, walk: list, weight, step, runner) -> bool:
         """A non_blocking update: device EMAs update in stream order now; the copies for a CPU
         EMA are issued on side streams and a worker thread averages once they have landed.
         Returns whether work was left to the worker. That job is prepared before anything is
         written, so a caller interrupted anywhere can settle it (AsyncRunner.settle)."""
-        self.marks = [p._version for p in self._probes]
+        self.marks = self.versions()
         skipped = _zero_on_host(weight)
+        copies = self.copies.values()
         now = [g for g in self.groups.values() if g.device.type != "cpu"]
+        # A CPU EMA's sources are all staged (snapshot plan): its writes wait for them to land.
         later = [g for g in self.groups.values() if g.device.type == "cpu" and not skipped]
-        snapped = [c for c in self.copies.values() if c.staging]
+        later += [c for c in copies if c.staging]
         self._stage(now, walk)
-        writes = [(lambda g=g: g.lerp(g.sources(walk), weight, step), g.ema[0]) for g in now]
-        writes += [
-            (lambda c=c: self._copy(c, walk), c.ema[0])
-            for c in self.copies.values()
-            if not c.staging
-        ]
         pairs = [pair for g in later for pair in g.staged_copies(walk)]
-        pairs += [(v, zero3.copied(walk[i])) for c in snapped for v, i in zip(c.staging, c.index)]
         if pairs:
             events = runner.issue_copies(pairs)
-            later_writes = [(lambda g=g: g.lerp(g.staging, weight, step), g.ema[0]) for g in later]
-            later_writes += [
-                (lambda c=c: torch._foreach_copy_(c.ema, c.staging), c.ema[0]) for c in snapped
-            ]
 
             def finish():
                 for event in events:
                     event.synchronize()
-                _run_to_the_end(later_writes)
+                _write_all(later, walk, weight, step, landed=True)
 
             runner.prepare(finish)
-        _run_to_the_end(writes)
+        _write_all([*now, *(c for c in copies if not c.staging)], walk, weight, step)
         if pairs:
             runner.launch()
         return bool(pairs)
 
-    def _stage(self, groups, values: list) -> None:
-        """Copies staged sources into place; nothing of the EMA is written yet."""
-        waits, views, parts = set(), [], []
-        for group in groups:
-            views += group.staging
-            parts += [_part(values[i], cut) for i, cut in group.staged]
-            waits |= group.wait_for
-        if views:
-            torch._foreach_copy_(views, parts, non_blocking=True)
-        for cuda_device in waits:
+    @staticmethod
+    def _stage(groups: list, values: list) -> None:
+        """Copies the staged sources of `groups` into place; nothing of the EMA is written yet."""
+        copy_pairs([pair for g in groups for pair in g.staged_copies(values)], non_blocking=True)
+        for cuda_device in {d for g in groups for d in g.wait_for}:
             # copies into pinned host memory must land before the CPU kernel reads them
             torch.cuda.current_stream(cuda_device).synchronize()
 
-    @staticmethod
-    def _copy(group: CopyGroup, values: list) -> None:
-        torch._foreach_copy_(group.ema, [zero3.copied(values[i]) for i in group.index])
+
+def copy_pairs(pairs, non_blocking: bool = False) -> None:
+    """view <- src for every (view, src), by one call."""
+    if pairs:
+        views, srcs = zip(*pairs)
+        torch._foreach_copy_(list(views), list(srcs), non_blocking=non_blocking)
 
 
 _ROUNDED = (torch.bfloat16, torch.float16)
@@ -401,22 +366,23 @@ def _part(t: torch.Tensor, cut) -> torch.Tensor:
     return local(t) if cut is None else zero3.base(t).narrow(*cut)
 
 
-def _run_to_the_end(writes: list) -> None:
-    """Runs every (write, probe) pair. If one raises after an earlier one wrote (an interrupt
-    arriving once a kernel has returned), the writes that have not happened still run and the
-    error propagates after: the EMA never holds half an update. A write has happened when the
-    version counter of its probe, an EMA tensor it writes, has moved."""
-    marks = [probe._version for _, probe in writes]
+def _write_all(groups: list, *args, landed: bool = False) -> None:
+    """Runs each group's write (DeviceGroup.write, CopyGroup.write) with `args`. If one raises
+    after an earlier one wrote (an interrupt arriving once a kernel has returned), the writes
+    that have not happened still run and the error propagates after: the EMA never holds half an
+    update. A write has happened when the version counter of its group's first EMA tensor has
+    moved."""
+    marks = [g.ema[0]._version for g in groups]
     try:
-        for write, _ in writes:
-            write()
+        for group in groups:
+            group.write(*args, landed)
     except BaseException:
-        moved = [probe._version != mark for (_, probe), mark in zip(writes, marks)]
+        moved = [g.ema[0]._version != mark for g, mark in zip(groups, marks)]
         if not any(moved):
             raise
-        for (write, _), happened in zip(writes, moved):
+        for group, happened in zip(groups, moved):
             if not happened:
-                write()
+                group.write(*args, landed)
         raise
 
 

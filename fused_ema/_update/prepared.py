@@ -13,19 +13,20 @@ from torch import nn
 from .._dist.dtensor import is_dtensor
 from .._dist.zero3 import base, copied, is_zero3
 from .._ext.loader import _C
-from .plan import UpdatePlan
+from .plan import LERP_MANY_STOCHASTIC, LERP_STOCHASTIC, UpdatePlan
 
 # How a run moves the step counters (csrc/prepared_update.h's StepMode).
 ADVANCE, SET, KEEP = 0, 1, 2
 
 
 def step_mode(step) -> tuple[int, int]:
-    """How a run moves the counters for update(step=`step`), an int or None."""
+    """How a run moves the counters for update(step=`step`): None advances them, an int sets
+    them, a tensor is read in Python (Schedule.begin) and the run keeps them."""
+    if isinstance(step, torch.Tensor):
+        return KEEP, 0
     return (ADVANCE, 0) if step is None else (SET, step)
 
 
-# The fused call a device group makes (csrc/prepared_update.h's FusedKind).
-_LERP, _LERP_STOCHASTIC, _LERP_MANY, _LERP_MANY_STOCHASTIC, _BEMA = range(5)
 # Tensors the extension may hold and run without Python: no subclass dispatches through Python.
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -33,17 +34,6 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 class Prepared:
     """`plan` with `schedules` (one per EMA, the plan's order), prepared. `plan` joins `plans`,
     the plan of each EMA, when there are several (PostHocEma, Bema)."""
-
-    __slots__ = (
-        "plans",
-        "steps",
-        "shards",
-        "cuts",
-        "handle",
-        "_free",
-        "_with_model",
-        "__weakref__",
-    )
 
     def __init__(self, plan: UpdatePlan, plans: tuple, schedules: list, model, walk: list):
         self.plans = plans
@@ -72,29 +62,19 @@ class Prepared:
         if group.staged:  # copied into place by the run, before its calls
             views, parts = zip(*group.staged_copies(walk))
             torch.ops.fused_ema.prepared_add_copies(self.handle, views, parts, True)
-        src = group.sources(walk)
-        steps = schedules[0].step
-        if not group.followers:
-            weights, joint = schedules[0].weight, []
-            tracks = [group]
-            kind = _LERP if group.seed is None else _LERP_STOCHASTIC
-        else:
-            tracks = [group, *group.followers]
-            weights = torch.zeros(len(tracks), dtype=torch.float64, device=steps.device)
-            joint = list(range(len(tracks)))
-            if group.joint == "bema":
-                kind = _BEMA
-            else:
-                kind = _LERP_MANY if group.seed is None else _LERP_MANY_STOCHASTIC
-        stochastic = kind in (_LERP_STOCHASTIC, _LERP_MANY_STOCHASTIC)
+        tracks, kind, many = (group, *group.followers), group.kind, bool(group.followers)
+        weights = schedules[0].weight
+        if many:  # a weight per track, which each run copies from its schedule (`joint`)
+            weights = torch.zeros(len(tracks), dtype=torch.float64, device=weights.device)
+        stochastic = kind in (LERP_STOCHASTIC, LERP_MANY_STOCHASTIC)
         torch.ops.fused_ema.prepared_add_call(
             self.handle,
             kind,
             [e for g in tracks for e in g.ema],
-            src,
+            group.sources(walk),
             weights,
-            joint,
-            steps if stochastic else None,
+            list(range(len(tracks))) if many else [],
+            schedules[0].step if stochastic else None,
             [g.seed for g in tracks] if stochastic else [],
             [k for g in tracks for k in g.keys] if stochastic else [],
             group.offsets if stochastic else [],
@@ -144,9 +124,7 @@ def preparable(plan: UpdatePlan, schedules: list, walk: list) -> bool:
     sources = [walk[i] for i in plain + cuts] + [walk[i]._local_tensor for i in shards]
     sources += [walk[i] for copies in plan.copies.values() for i in copies.index]
     emas = [e for copies in plan.copies.values() for e in copies.ema]
-    return not any(c.staging for c in plan.copies.values()) and all(
-        type(t) in _PLAIN for t in (*sources, *emas)
-    )
+    return all(type(t) in _PLAIN for t in (*sources, *emas))
 
 
 def _sources(plan: UpdatePlan, walk: list) -> tuple[list, list, list]:

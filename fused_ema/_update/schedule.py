@@ -46,10 +46,9 @@ def check_bema(warmup) -> tuple:
         raise ValueError(f"a BEMA track is one of {tuple(BEMA_KINDS)}, got {part!r}")
     checked = []
     for name, value in zip(BEMA_FIELDS, values):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         checked.append(float(value))
     if checked[0] + checked[1] <= 0:
         raise ValueError(
@@ -60,12 +59,10 @@ def check_bema(warmup) -> tuple:
 
 
 def _real(name: str, value, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and low <= float(value) <= high):  # also refuses NaN
         raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
-    value = float(value)
-    if not (low <= value <= high):  # also refuses NaN
-        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
-    return value
+    return float(value)
 
 
 def whole_number(name: str, value, low: int, high: int = MAX_STEP) -> int:
@@ -147,10 +144,8 @@ def check_rounding(stochastic_rounding, seed) -> dict:
 
 
 def rounding_from_state(rounding) -> dict:
-    if not isinstance(rounding, dict) or set(rounding) != {
-        "stochastic_rounding",
-        "stochastic_rounding_seed",
-    }:
+    keys = {"stochastic_rounding", "stochastic_rounding_seed"}
+    if not isinstance(rounding, dict) or set(rounding) != keys:
         raise ValueError(
             f"expected stochastic_rounding and stochastic_rounding_seed, got {rounding!r}"
         )
@@ -209,8 +204,7 @@ class Schedule:
         # The current step's weight, what the fused kernel reads (no host sync): a view of out,
         # made again wherever out is replaced (place, a copy or unpickling).
         self.weight = self.out[:1]
-        self.config = torch.tensor(_config_values(self.options), dtype=torch.float64)
-        self.config = self.config.to(device)
+        self.config = torch.tensor(_config_values(options), dtype=torch.float64).to(device)
         without_grad(self._compute, False)
         self._dirty = False
 

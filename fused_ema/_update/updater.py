@@ -80,33 +80,29 @@ class Updater:
             )
         try:
             self.ready("update")
-            self._update_locked(ema, model, step, non_blocking, values)
+            if self.leader is not None:
+                raise RuntimeError(
+                    "fused_ema: this EMA is one of a PostHocEma's tracks, which update together: "
+                    "call the PostHocEma's update()"
+                )
+            step = self.schedule.check_step(step)
+            blocking = not non_blocking and values is None
+            if blocking and self._run_prepared(model, step):
+                return
+            walk, names = self.binding.walk(model, non_blocking)
+            if names is None and any(not f.binding.vouches(non_blocking) for f in self.followers):
+                walk, names = _C.tensor_walk(model, self.binding.with_buffers, True)  # to plan
+            args = (ema, model, walk, names, step, non_blocking, values)
+            # trusted: the present plans' prepared update runs, and checks every tensor itself
+            trusted = blocking and self._current() is not None
+            try:
+                done = without_grad(self._update, *args, trusted)
+            except _Declined:  # checked in Python now: a tensor changed, or only where it lives
+                done = without_grad(self._update, *args, False)
+            if done:
+                self._end(commit=True)
         finally:
             self.lock.release()
-
-    def _update_locked(self, ema, model, step, non_blocking: bool, values) -> None:
-        if self.leader is not None:
-            raise RuntimeError(
-                "fused_ema: this EMA is one of a PostHocEma's tracks, which update together: "
-                "call the PostHocEma's update()"
-            )
-        step = self.schedule.check_step(step)
-        if not non_blocking and values is None and self._run_prepared(model, step):
-            return
-        walk, names = self.binding.walk(model, non_blocking)
-        if names is None and any(not f.binding.vouches(non_blocking) for f in self.followers):
-            walk, names = _C.tensor_walk(model, self.binding.with_buffers, True)  # to plan with
-        args = (ema, model, walk, names, step, non_blocking, values)
-        # trusted: the present plans' prepared update runs, and checks every tensor itself
-        prepared = self.prepared
-        trusted = not (non_blocking or values is not None or prepared is None or _dispatch_modes())
-        trusted = trusted and prepared.current(self._plans(), self._schedules())
-        try:
-            done = without_grad(self._update, *args, trusted)
-        except _Declined:  # checked in Python now: a tensor changed, or only where it lives
-            done = without_grad(self._update, *args, False)
-        if done:
-            self._commit()
 
     def _schedules(self) -> list:
         return [self.schedule] + [f.schedule for f in self.followers]
@@ -114,36 +110,39 @@ class Updater:
     def _plans(self) -> tuple:
         return (self.binding.plan, *(f.binding.plan for f in self.followers))
 
+    def _current(self):
+        """The prepared update, where it is prepared for the present plans and schedules and no
+        mode must see the fused ops; else None."""
+        prepared = self.prepared
+        if prepared is None or _dispatch_modes():
+            return None
+        return prepared if prepared.current(self._plans(), self._schedules()) else None
+
     def _run_prepared(self, model, step) -> bool:
         """The steady state: one call runs the update prepared for the current plan, when the
         walk cache (3.12+) vouches that `model` is unchanged. False when it cannot: then nothing
         has changed and the full update runs."""
-        prepared, plan = self.prepared, self.binding.plan
+        plan = self.binding.plan
         cache = None if plan is None else plan._walk_cache
-        if prepared is None or cache is None or isinstance(step, torch.Tensor):
+        prepared = None if cache is None or isinstance(step, torch.Tensor) else self._current()
+        if prepared is None:
             return False
-        schedules = self._schedules()
-        if _dispatch_modes() or not prepared.current(self._plans(), schedules):
-            return False
-        for schedule in schedules:
+        for schedule in self._schedules():
             schedule.commit()  # a step an interrupted update left begun is final
             schedule.note_capture()
         return prepared.run(cache, model, *prep.step_mode(step), False)
 
     def _prepared_for(self, plan, model, walk: list):
         """The prepared form of `plan` for a blocking update, or None where it has none."""
-        if _dispatch_modes():
-            return None
-        schedules, plans = self._schedules(), self._plans()
-        prepared = self.prepared
-        if prepared is not None and prepared.current(plans, schedules):
+        prepared = self._current()
+        if prepared is not None or _dispatch_modes():
             return prepared
-        if prepared is not None:
-            prepared.free()
+        if self.prepared is not None:
+            self.prepared.free()
             self.prepared = None
-        if not prep.preparable(plan, schedules, walk):
-            return None
-        self.prepared = prep.Prepared(plan, plans, schedules, model, walk)
+        schedules = self._schedules()
+        if prep.preparable(plan, schedules, walk):
+            self.prepared = prep.Prepared(plan, self._plans(), schedules, model, walk)
         return self.prepared
 
     def _update(self, ema, model, walk, names, step, non_blocking: bool, values, trusted) -> bool:
@@ -151,24 +150,23 @@ class Updater:
         commits or rolls back). `trusted`: the plans are prepared, and the prepared update checks
         the tensors (raising _Declined, having changed nothing, where one changed)."""
         schedules = self._schedules()
-        for schedule in schedules:
-            # A step begun by an update that landed whole but was interrupted before it could
-            # commit: it is final, and this update must not roll it back if it fails.
-            schedule.commit()
+        # A step begun by an update that landed whole but was interrupted before it could commit:
+        # it is final, and this update must not roll it back if it fails.
+        self._end(commit=True)
         plan, undos, wrote = None, [], lambda: False
         try:
             plan, undo = self.binding.plan_for(
                 ema, model, walk, names, non_blocking, self.schedule, trusted
             )
             undos.append(undo)
-            if self.followers:
-                plans = []
-                for f in self.followers:
-                    follower_plan, undo = f.binding.plan_for(
-                        f.ema_ref(), model, walk, names, non_blocking, f.schedule, trusted
-                    )
-                    undos.append(undo)
-                    plans.append(follower_plan)
+            plans = []
+            for f in self.followers:
+                follower_plan, undo = f.binding.plan_for(
+                    f.ema_ref(), model, walk, names, non_blocking, f.schedule, trusted
+                )
+                undos.append(undo)
+                plans.append(follower_plan)
+            if plans:
                 plan = plan.joined(plans, self.joint)
             if values is not None and not walk_agrees(values, walk):
                 # The traced walk (_model/walk.py, the Python form dynamo can follow) must be the
@@ -183,13 +181,10 @@ class Updater:
             if prepared is not None:
                 # One call, all or nothing, the counters moved inside it: its count of runs tells
                 # which, whatever interrupts it.
-                if not isinstance(step, torch.Tensor):
-                    mode, value = prep.step_mode(step)
-                else:  # read in Python: begin() sets the counters, the run keeps them
-                    mode, value = prep.KEEP, 0
-                    for schedule in schedules:
-                        schedule.begin(step)
+                mode, value = prep.step_mode(step)
                 for schedule in schedules:
+                    if mode == prep.KEEP:  # a tensor step: begin() sets the counters
+                        schedule.begin(step)
                     schedule.note_capture()
                 runs = prepared.runs()
                 wrote = lambda: prepared.runs() != runs  # noqa: E731
@@ -199,44 +194,37 @@ class Updater:
             for schedule in schedules:
                 schedule.begin(step)
                 schedule.note_capture()
-            # A joined plan reads one weight per EMA (the leader's first) and the leader's step.
-            weight = (
-                torch.cat([s.weight for s in schedules]) if self.followers else schedules[0].weight
-            )
-            if non_blocking:
-                if plan.start(walk, weight, self.schedule.step, self.runner):
-                    self.pending_plan = plan
-                    return False
-            else:
+            weight = schedules[0].weight
+            if self.followers:  # a joined plan: one weight per EMA (the leader's first)
+                weight = torch.cat([s.weight for s in schedules])
+            if not non_blocking:
                 plan.run(walk, weight, self.schedule.step, values)
+            elif plan.start(walk, weight, self.schedule.step, self.runner):
+                self.pending_plan = plan
+                return False
         except BaseException:
             if self.runner.busy:
                 self.runner.settle(plan.started)  # a job this call prepared: finished or dropped
-            if wrote() or (plan is not None and plan.started()):
-                self._commit()  # it wrote, so it finished: only the error propagates
-            else:
-                self._rollback()
+            written = wrote() or (plan is not None and plan.started())
+            self._end(commit=written)  # it wrote, so it finished: only the error propagates
+            if not written:
                 for undo in reversed(undos):
                     if undo is not None:
                         undo()  # a resync that the failed update made is undone too
             raise
         return True
 
-    def _commit(self) -> None:
+    def _end(self, commit: bool) -> None:
+        """Makes the step every schedule began final, or undoes it."""
         for schedule in self._schedules():
-            schedule.commit()
-
-    def _rollback(self) -> None:
-        for schedule in self._schedules():
-            schedule.rollback()
+            schedule.commit() if commit else schedule.rollback()
 
     def trace(self, model, step, key: int) -> None:
         """update() inside torch.compile: the traced program walks the model and calls the op
         (see compiled.py) whose body, update_traced(), runs the same update on the live model."""
         walk = tensor_walk(model, self.binding.with_buffers)
-        tensor_step = step if isinstance(step, torch.Tensor) else None
-        int_step = None if isinstance(step, torch.Tensor) else step
-        torch.ops.fused_ema.model_ema_update(self.schedule.step, walk, tensor_step, int_step, key)
+        steps = (step, None) if isinstance(step, torch.Tensor) else (None, step)
+        torch.ops.fused_ema.model_ema_update(self.schedule.step, walk, *steps, key)
 
     def update_traced(self, ema, values: list, step) -> None:
         model = self.binding.model_ref()
@@ -260,13 +248,10 @@ class Updater:
             if self.runner.busy:
                 raise  # interrupted while waiting: the job still runs
             plan, self.pending_plan = self.pending_plan, None
-            if plan is not None and not plan.started():
-                self._rollback()
-            else:
-                self._commit()
+            self._end(commit=plan is None or plan.started())
             raise
         self.pending_plan = None
-        self._commit()
+        self._end(commit=True)
 
     @contextlib.contextmanager
     def lend(self, model):
