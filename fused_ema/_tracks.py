@@ -100,29 +100,46 @@ class TrackSet(nn.Module):
         kind = type(self).__name__
         self._ready("load_state_dict")
         state, source = read_source(state, f"{kind} checkpoint")
-        problems = self._format_problems(state)
+        if not isinstance(state, dict) or state.get("format") not in (
+            self.FORMAT,
+            *self.LEGACY_FORMATS,
+        ):
+            problem = f"not a {kind} state dict (expected 'format': {self.FORMAT!r})"
+            raise CheckpointError([problem], source)
+        problems = []
+        if state.get("format_version") != self.FORMAT_VERSION:
+            problems.append(
+                f"format_version {state.get('format_version')!r}: expected {self.FORMAT_VERSION}"
+            )
+        problems += self._header_problems(state)
+        emas = state.get("emas")
+        if not isinstance(emas, (list, tuple)) or len(emas) != len(self._tracks):
+            problems.append(f"'emas' must list {len(self._tracks)} EMA state dicts")
         if problems:
             raise CheckpointError(problems, source)
         prepared = []
-        for name, track, own in zip(self._track_names, self._tracks, state["emas"]):
+        for name, track, own in zip(self._track_names, self._tracks, emas):
             try:
                 prepared.append(track._state.prepare(own, strict))
             except CheckpointError as err:
                 raise CheckpointError([f"{name}: {p}" for p in err.problems], source) from None
-        problems = self._track_problems([p for p, _ in prepared], state.get("step"))
+        problems = self._commit(prepared, state, [], state.get("step"))
         if problems:
             raise CheckpointError(problems, source)
-        self._write(
-            [(track, p) for track, p in zip(self._tracks, prepared)],
-            lambda: self._restore_header(state),
-        )
         return prepared[0][0].result
 
-    def _track_problems(self, loads, header_step=None) -> list[str]:
-        """What makes prepared track loads (checkpoint.PreparedLoad) unfit for this set: the tracks
-        are one object, so each keeps the schedule this set gives it and all share one step."""
+    def _ready(self, what: str) -> None:
+        for track in self._tracks:
+            track._ready(what)  # no non_blocking update pending, not inside swapped()
+
+    def _commit(self, prepared, header: dict, problems: list, header_step=None) -> list[str]:
+        """Writes the tracks' prepared loads (EmaState.prepare), then applies `header`, unless
+        there are `problems` or the loads do not fit this set: the tracks are one object, so each
+        keeps the schedule this set gives it and all share one step. Returns the problems. Once
+        begun, an interrupt stops none of the writes (swap.finish_all)."""
         kind = type(self).__name__
-        problems = [
+        loads = [load for load, _ in prepared]
+        problems = problems + [
             f"{name}: schedule {load.options} is not the one this {kind} gives it "
             f"({track._schedule.options})"
             for name, track, load in zip(self._track_names, self._tracks, loads)
@@ -134,36 +151,11 @@ class TrackSet(nn.Module):
             problems.append(f"the EMAs are at different steps ({named}): they update together")
         elif header_step is not None and steps and header_step != steps[0]:
             problems.append(f"step {header_step!r} beside EMAs at step {steps[0]}")
-        return problems
-
-    def _ready(self, what: str) -> None:
-        for track in self._tracks:
-            track._ready(what)  # no non_blocking update pending, not inside swapped()
-
-    @staticmethod
-    def _write(prepared, restore) -> None:
-        """Every track's writes, then the header's: once begun, an interrupt stops none of them
-        (swap.finish_all)."""
-        commit_loads([track._state.load_writes(*p) for track, p in prepared] + [([], [restore])])
-        for track, _ in prepared:
-            track._state.warn_precision()
-
-    def _format_problems(self, state) -> list[str]:
-        kind = type(self).__name__
-        if not isinstance(state, dict) or state.get("format") not in (
-            self.FORMAT,
-            *self.LEGACY_FORMATS,
-        ):
-            return [f"not a {kind} state dict (expected 'format': {self.FORMAT!r})"]
-        problems = []
-        if state.get("format_version") != self.FORMAT_VERSION:
-            problems.append(
-                f"format_version {state.get('format_version')!r}: expected {self.FORMAT_VERSION}"
-            )
-        problems += self._header_problems(state)
-        emas = state.get("emas")
-        if not isinstance(emas, (list, tuple)) or len(emas) != len(self._tracks):
-            problems.append(f"'emas' must list {len(self._tracks)} EMA state dicts")
+        if not problems:
+            writes = [track._state.load_writes(*p) for track, p in zip(self._tracks, prepared)]
+            commit_loads([*writes, ([], [lambda: self._restore_header(header)])])
+            for track in self._tracks:
+                track._state.warn_precision()
         return problems
 
     def _load_from_state_dict(
@@ -191,13 +183,9 @@ class TrackSet(nn.Module):
                 missing_keys.append(prefix + key)
                 ok = False
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
-        if not ok:
-            return
-        problems = self._track_problems([load for load, _ in ready])
-        problems += self._header_problems(header)
-        errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
-        if not problems:
-            self._write(list(zip(self._tracks, ready)), lambda: self._restore_header(header))
+        if ok:
+            problems = self._commit(ready, header, self._header_problems(header))
+            errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)

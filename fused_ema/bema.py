@@ -196,12 +196,5 @@ def check_bema_options(
     _, _, lag, multiplier, ema_power, bias_power = check_bema(
         (BEMA, "ema", lag, multiplier, ema_power, bias_power)
     )
-    return {
-        "update_freq": update_freq,
-        "ema_power": ema_power,
-        "bias_power": bias_power,
-        "lag": lag,
-        "update_after": update_after,
-        "multiplier": multiplier,
-        "min_ema_multiplier": float(min_ema_multiplier),
-    }
+    values = (update_freq, ema_power, bias_power, lag, update_after, multiplier, float(floor))
+    return dict(zip(OPTIONS, values))  # in OPTIONS' order

@@ -129,12 +129,11 @@ def check_resharding(pairs) -> None:
 
 
 def copy_all(pairs) -> None:
-    """EMA weights into the model (copy_to), or loaded values into the EMA. Checked first. Plain
-    tensors are copied by one call (torch._foreach_copy_: an interrupt lands before it or after
-    it); DTensors, which may need a collective each, one by one, the remaining copies still run
-    if an interrupt lands part-way. A sharded EMA of a replicated model is all-gathered into the
-    model's tensors (a collective)."""
-    check_resharding(pairs)
+    """EMA weights into the model (copy_to), or loaded values into the EMA (checked by the
+    caller: commit_loads). Plain tensors are copied by one call (torch._foreach_copy_: an
+    interrupt lands before it or after it); DTensors, which may need a collective each, one by
+    one, the remaining copies still run if an interrupt lands part-way. A sharded EMA of a
+    replicated model is all-gathered into the model's tensors (a collective)."""
     partitioned = [(e, t) for _, e, t in pairs if zero3.is_zero3(t)]
     if partitioned:  # a DeepSpeed ZeRO-3 model: each rank writes its partitions
         steps = [functools.partial(zero3.write, e, t) for e, t in partitioned]
@@ -144,18 +143,14 @@ def copy_all(pairs) -> None:
     if gathered:
         without_grad(gather_into, gathered)
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
-    without_grad(_copy_each, pairs)
-
-
-def _copy_each(pairs) -> None:
     plain = [(t, v) for _, v, t in pairs if not is_dtensor(t) and not is_dtensor(v)]
-    if len(plain) == len(pairs):
-        # A value that is its target already (a state_dict dcp.load filled in place) stays.
-        plain = [(t, v) for t, v in plain if t is not v and not same_memory(t, v)]
-        if plain:
-            torch._foreach_copy_([t for t, _ in plain], [v for _, v in plain])
-        return
-    finish_all([functools.partial(copy_into, target, value) for _, value, target in pairs])
+    if len(plain) < len(pairs):
+        steps = [functools.partial(copy_into, target, value) for _, value, target in pairs]
+        return without_grad(finish_all, steps)
+    # A value that is its target already (a state_dict dcp.load filled in place) stays.
+    plain = [(t, v) for t, v in plain if t is not v and not same_memory(t, v)]
+    if plain:
+        without_grad(torch._foreach_copy_, [t for t, _ in plain], [v for _, v in plain])
 
 
 def finish_all(steps) -> None:

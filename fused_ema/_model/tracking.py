@@ -80,40 +80,37 @@ class EntryPolicy:
                         UserWarning,
                         stacklevel=4,
                     )
-        if not self.ignore:
-            return tracked
         return [t for t in tracked if not self.ignore_filter.matches_any(t.names)]
 
-    def averages(self, t: torch.Tensor, kind: str, names=()) -> bool:
-        if not t.is_floating_point() or (kind != PARAM and self.buffers != "average"):
-            return False
-        return not self.copy_filter.matches_any(names)
-
-    def ema_dtype(self, t: torch.Tensor, average: bool) -> torch.dtype:
-        """An averaged tensor's EMA dtype: the policy's, else float32 (float64 for float64
-        tensors); a copied one keeps its own."""
-        if not average:
-            return t.dtype
-        return self.dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
-
     def new_entry(self, tracked: Tracked) -> Entry:
+        """The EMA of one model tensor; for a ZeRO-3 parameter, of this rank's valid partition
+        elements, flat (1-D)."""
         if nn.parameter.is_lazy(tracked.tensor):
             raise ValueError(
                 f"fused_ema: {tracked.kind} {tracked.name} is uninitialized (a lazy module such as "
                 "nn.LazyLinear): run one forward pass to materialize it before building the EMA or "
                 "calling ema.resync(model)"
             )
-        if zero3.is_zero3(tracked.tensor):
-            return self._zero3_entry(tracked)
         t = tracked.tensor.detach()
+        if zero3.is_zero3(tracked.tensor):
+            if self.shard is not None:
+                raise ValueError(
+                    f"fused_ema: {tracked.name} is partitioned by DeepSpeed ZeRO-3, and the EMA of "
+                    "a ZeRO-3 model is partitioned with it: build it without shard="
+                )
+            t = zero3.partition(tracked.tensor).detach()
         if t.is_complex() and tracked.kind == PARAM:
             raise ValueError(
                 f"fused_ema: parameter {tracked.name} is {t.dtype}; the fused kernels average real "
                 "floating-point tensors. Register it as two real parameters (torch.view_as_real) "
                 "or as a buffer (buffers are copied)."
             )
-        average = self.averages(t, tracked.kind, tracked.names)
-        dtype = self.ema_dtype(t, average)
+        # Averaged: a floating parameter (or buffer, with buffers="average") copy_names leaves
+        # alone, kept in the policy's dtype, else float32 (float64 for float64 tensors).
+        copied = not t.is_floating_point() or (tracked.kind != PARAM and self.buffers != "average")
+        average = not copied and not self.copy_filter.matches_any(tracked.names)
+        dtype = self.dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
+        dtype = dtype if average else t.dtype
         if is_dtensor(t):
             check_averageable(tracked.name, t)
             if self.device is not None and self.device != t.device:
@@ -133,22 +130,6 @@ class EntryPolicy:
             ema = t.to(device=device, dtype=dtype, copy=True)
         if tracked.kind == PARAM:
             ema = nn.Parameter(ema, requires_grad=False)
-        return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
-
-    def _zero3_entry(self, tracked: Tracked) -> Entry:
-        """The EMA of a ZeRO-3 parameter: this rank's valid partition elements, flat (1-D), on
-        the policy's device (by default the partition's device); averaged in the policy's dtype,
-        or copied (copy_names) in the parameter's own."""
-        if self.shard is not None:
-            raise ValueError(
-                f"fused_ema: {tracked.name} is partitioned by DeepSpeed ZeRO-3, and the EMA of a "
-                "ZeRO-3 model is partitioned with it: build it without shard="
-            )
-        part = zero3.partition(tracked.tensor).detach()
-        average = self.averages(part, tracked.kind, tracked.names)
-        device = self.device if self.device is not None else part.device
-        ema = part.to(device=device, dtype=self.ema_dtype(part, average), copy=True)
-        ema = nn.Parameter(ema, requires_grad=False)
         return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
 
 

@@ -31,11 +31,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, _PARALLEL_WRAPPERS) or _is_deepspeed_engine(model):
             model = model.module
-            continue
-        inner = _orig_mod(model)
-        if inner is None:
+        elif (inner := _orig_mod(model)) is not None:
+            model = inner
+        else:
             return model
-        model = inner
 
 
 def _is_deepspeed_engine(model: nn.Module) -> bool:
@@ -51,18 +50,15 @@ def _orig_mod(model: nn.Module) -> nn.Module | None:
     """model._orig_mod (torch.compile's wrapper keeps the model there) if getattr finds a module
     there, else None; for a plain module without raising and catching the AttributeError of
     nn.Module.__getattr__: that cost a few microseconds per update."""
-    kind = type(model)
+    kind, attributes = type(model), model.__dict__
     if kind.__getattr__ is not nn.Module.__getattr__ or hasattr(kind, "_orig_mod"):
         inner = getattr(model, "_orig_mod", None)
-        return inner if isinstance(inner, nn.Module) else None
-    attributes = model.__dict__
-    if "_orig_mod" in attributes:
+    elif "_orig_mod" in attributes:
         inner = attributes["_orig_mod"]
-        return inner if isinstance(inner, nn.Module) else None
-    # nn.Module.__getattr__ looks in _parameters and _buffers before _modules, but nn.Module
-    # refuses a parameter or buffer under a submodule's name (and the reverse).
-    children = attributes.get("_modules")
-    inner = children.get("_orig_mod") if children else None
+    else:
+        # nn.Module.__getattr__ looks in _parameters and _buffers before _modules, but nn.Module
+        # refuses a parameter or buffer under a submodule's name (and the reverse).
+        inner = (attributes.get("_modules") or {}).get("_orig_mod")
     return inner if isinstance(inner, nn.Module) else None
 
 
