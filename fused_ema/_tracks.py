@@ -100,10 +100,8 @@ class TrackSet(nn.Module):
         kind = type(self).__name__
         self._ready("load_state_dict")
         state, source = read_source(state, f"{kind} checkpoint")
-        if not isinstance(state, dict) or state.get("format") not in (
-            self.FORMAT,
-            *self.LEGACY_FORMATS,
-        ):
+        formats = (self.FORMAT, *self.LEGACY_FORMATS)
+        if not isinstance(state, dict) or state.get("format") not in formats:
             problem = f"not a {kind} state dict (expected 'format': {self.FORMAT!r})"
             raise CheckpointError([problem], source)
         problems = []
@@ -173,17 +171,13 @@ class TrackSet(nn.Module):
                     state_dict, sub, metadata.get(sub[:-1]), missing_keys, unexpected_keys, errors
                 )
             )
-        header = self._header()
-        ok = None not in ready
-        for key in self.NESTED:
-            found.add(prefix + key)
-            if prefix + key in state_dict:
-                header[key] = state_dict[prefix + key]
-            else:
-                missing_keys.append(prefix + key)
-                ok = False
+        nested = {key: prefix + key for key in self.NESTED}  # header key -> its key here
+        header = self._header() | {k: state_dict[s] for k, s in nested.items() if s in state_dict}
+        missing = [s for s in nested.values() if s not in state_dict]
+        missing_keys.extend(missing)
+        found.update(nested.values())
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
-        if ok:
+        if None not in ready and not missing:
             problems = self._commit(ready, header, self._header_problems(header))
             errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
 

@@ -79,10 +79,9 @@ class Bema(TrackSet):
         shard=False,
     ):
         super().__init__()
-        self.options = check_bema_options(
+        self.options = o = check_bema_options(
             update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
         )
-        o = self.options
         model = unwrap_model(model)
         tracks = tuple(
             ModelEma(

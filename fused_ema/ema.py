@@ -27,8 +27,6 @@ from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
 
-Device = str | torch.device | None
-
 
 class ModelEma(TimmAttributes, nn.Module):
     """Exponential moving average of a model's parameters and buffers.
@@ -92,7 +90,7 @@ class ModelEma(TimmAttributes, nn.Module):
         use_warmup: bool | None = None,
         warmup_gamma: float = 1.0,
         warmup_power: float = 2.0 / 3.0,
-        device: Device = None,
+        device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         stochastic_rounding: bool = True,
         stochastic_rounding_seed: int = 0,
@@ -183,7 +181,7 @@ class ModelEma(TimmAttributes, nn.Module):
 
     def names(self) -> list[str]:
         """Every tracked name, tied weights under each of their names."""
-        return self._binding.table.names()
+        return list(self._binding.table.by_name)  # in the entries' order
 
     # ------------------------------------------------------------------ updating
 
@@ -244,9 +242,7 @@ class ModelEma(TimmAttributes, nn.Module):
 
     def train(self, mode: bool = True) -> ModelEma:
         """Sets the training mode of ema.module (eval by default); ``ema.eval()`` calls this."""
-        if not isinstance(mode, bool):
-            raise ValueError(f"training mode is expected to be a bool, got {mode!r}")
-        self.training = mode
+        super().train(mode)  # checks `mode`: the EMA has no children of its own
         if self._binding.module is not None:
             self._binding.module.train(mode)
         return self
@@ -397,7 +393,8 @@ class ModelEma(TimmAttributes, nn.Module):
 
     def __getstate__(self) -> dict:
         self._updater.ready(error="a ModelEma cannot be copied or pickled inside ema.swapped()")
-        return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
+        transient = ("_updater", "_key", "_hooks")  # rebuilt by _init_transient
+        return {k: v for k, v in self.__dict__.items() if k not in transient}
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)
@@ -409,10 +406,6 @@ class ModelEma(TimmAttributes, nn.Module):
         where = str(self.device) if self.device is not None else "with the model"
         return (
             f"ModelEma({len(self._binding.table.entries)} tensors, decay={sc['decay']}, "
-            f"device={where}, "
-            f"buffers={self.buffer_mode!r}, warmup={sc['warmup']}, "
+            f"device={where}, buffers={self.buffer_mode!r}, warmup={sc['warmup']}, "
             f"update_after_step={sc['update_after_step']}, update_every={sc['update_every']})"
         )
-
-
-_TRANSIENT = ("_updater", "_key", "_hooks")

@@ -29,10 +29,7 @@ class EmaForwardCheck:
             )
 
     def __getstate__(self):
-        return {}  # a pickled copy of the module no longer belongs to an EMA
-
-    def __setstate__(self, state):
-        self._ema = unbound
+        return {"_ema": unbound}  # a pickled copy of the module no longer belongs to an EMA
 
 
 def build_module(ema, entries, model: nn.Module) -> nn.Module:
@@ -74,15 +71,6 @@ class SwappedModelView(nn.Module):
         object.__setattr__(self, "_model_ref", weakref.ref(model))
         self.train(ema.training)
 
-    def _model(self) -> nn.Module:
-        model = self._model_ref()
-        if model is None:
-            raise RuntimeError(
-                "ema.module runs the model with the EMA swapped in, and the model "
-                "no longer exists; call ema.resync(model) with the current one"
-            )
-        return model
-
     def _ema(self):
         ema = self._ema_ref()
         if ema is None:
@@ -90,7 +78,13 @@ class SwappedModelView(nn.Module):
         return ema
 
     def forward(self, *args, **kwargs):
-        model, ema = self._model(), self._ema()
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError(
+                "ema.module runs the model with the EMA swapped in, and the model "
+                "no longer exists; call ema.resync(model) with the current one"
+            )
+        ema = self._ema()
         modes = [(m, m.training) for m in model.modules()]
         model.train(self.training)
         try:

@@ -42,12 +42,10 @@ class NameFilter:
         self._glob = re.compile("|".join(globs)) if globs else None
 
     def __call__(self, name: str) -> bool:
-        if name in self._exact:
-            return True
         if self._glob is not None and self._glob.match(name):
             return True
-        parts = name.split(".")
-        return any(".".join(parts[:k]) in self._exact for k in range(1, len(parts)))
+        parts = name.split(".")  # the name itself, or a module holding it
+        return any(".".join(parts[:k]) in self._exact for k in range(1, len(parts) + 1))
 
     def matches_any(self, names) -> bool:
         return bool(self.patterns) and any(self(n) for n in names)

@@ -21,11 +21,9 @@ SWAP_CHUNK_BYTES = 16 << 20
 
 def check_writable(pairs) -> None:
     """Refuses model tensors the EMA weights cannot be written into, before anything changes."""
-    bad = [
-        name
-        for name, _, target in pairs
-        if local(target).is_inference() and not torch.is_inference_mode_enabled()
-    ]
+    if torch.is_inference_mode_enabled():
+        return
+    bad = [name for name, _, target in pairs if local(target).is_inference()]
     if bad:
         raise RuntimeError(
             f"fused_ema: {len(bad)} model tensors are inference tensors (e.g. {bad[0]}), which "
@@ -45,18 +43,15 @@ class Swap:
         self._zero3 = [t for _, _, t in pairs if zero3.is_zero3(t)]  # released at both ends
         # A ZeRO-3 parameter exchanges its valid partition, which a forward gathers once released.
         pairs = [(n, e, zero3.partition(t) if zero3.is_zero3(t) else t) for n, e, t in pairs]
-        partners = without_grad(lambda: [_partner(e, t) for _, e, t in pairs])
-        self._saved = [p for p, (_, e, _) in zip(partners, pairs) if p is not local(e)]
+        self._partners = without_grad(lambda: [_partner(e, t) for _, e, t in pairs])
         self._targets = [local(t) for _, _, t in pairs]
-        self._partners = partners
-        self._scratch = _scratch_buffers(self._targets)
+        need: dict = {}  # scratch per dtype and device: SWAP_CHUNK_BYTES at most, a row at least
+        for t in self._targets:
+            row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
+            chunk = min(max(1, SWAP_CHUNK_BYTES // t.element_size()), t.numel())
+            need[t.device, t.dtype] = max(need.get((t.device, t.dtype), 0), chunk, row)
+        self._scratch = [torch.empty(n, dtype=dt, device=d) for (d, dt), n in need.items()]
         self._state = torch.zeros((), dtype=torch.int64)  # 1 while the EMA's values are in
-
-    def scratch_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self._scratch)
-
-    def saved_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self._saved)
 
     def swap_in(self) -> None:
         if self._gathered and self._slices is None:
@@ -94,17 +89,6 @@ def _partner(ema: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return local(value)
 
 
-def _scratch_buffers(targets) -> list:
-    """One buffer per dtype and device: SWAP_CHUNK_BYTES at most, a row of dim 0 at least."""
-    need: dict = {}
-    for t in targets:
-        step = max(1, SWAP_CHUNK_BYTES // t.element_size())
-        row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
-        key = (t.device, t.dtype)
-        need[key] = max(need.get(key, 0), min(step, t.numel()), row)
-    return [torch.empty(n, dtype=dtype, device=device) for (device, dtype), n in need.items()]
-
-
 def check_resharding(pairs) -> None:
     """A sharded value must come from a mesh the size of the EMA's (or, for a plain EMA tensor,
     no larger than the job): anything else is a checkpoint of another world size, which only DCP
@@ -121,36 +105,39 @@ def check_resharding(pairs) -> None:
             raise ValueError(
                 f"fused_ema: {name or 'a tensor'} is a DTensor sharded over {theirs} ranks "
                 f"(local shape {list(local(value).shape)}), but {here} {ours}: a sharded "
-                "checkpoint saved at another "
-                "world size is resharded by torch.distributed.checkpoint (state = "
-                "ema.state_dict(); dcp.load(state, checkpoint_id=...); ema.load_state_dict(state)),"
-                " not by torch.save/torch.load; nothing was loaded"
+                "checkpoint saved at another world size is resharded by torch.distributed."
+                "checkpoint (state = ema.state_dict(); dcp.load(state, checkpoint_id=...); "
+                "ema.load_state_dict(state)), not by torch.save/torch.load; nothing was loaded"
             )
 
 
 def copy_all(pairs) -> None:
     """EMA weights into the model (copy_to), or loaded values into the EMA (checked by the
-    caller: commit_loads). Plain tensors are copied by one call (torch._foreach_copy_: an
-    interrupt lands before it or after it); DTensors, which may need a collective each, one by
-    one, the remaining copies still run if an interrupt lands part-way. A sharded EMA of a
-    replicated model is all-gathered into the model's tensors (a collective)."""
+    caller: commit_loads), autograd off. Plain tensors are copied by one call
+    (torch._foreach_copy_: an interrupt lands before it or after it); DTensors, which may need a
+    collective each, one by one, the remaining copies still run if an interrupt lands part-way.
+    A sharded EMA of a replicated model is all-gathered into the model's tensors (a
+    collective)."""
+    without_grad(_copy_all, pairs)
+
+
+def _copy_all(pairs) -> None:
     partitioned = [(e, t) for _, e, t in pairs if zero3.is_zero3(t)]
     if partitioned:  # a DeepSpeed ZeRO-3 model: each rank writes its partitions
         steps = [functools.partial(zero3.write, e, t) for e, t in partitioned]
-        without_grad(finish_all, steps + [lambda: zero3.release([t for _, t in partitioned])])
+        finish_all(steps + [lambda: zero3.release([t for _, t in partitioned])])
         pairs = [p for p in pairs if not zero3.is_zero3(p[2])]
     gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
     if gathered:
-        without_grad(gather_into, gathered)
+        gather_into(gathered)
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
     plain = [(t, v) for _, v, t in pairs if not is_dtensor(t) and not is_dtensor(v)]
     if len(plain) < len(pairs):
-        steps = [functools.partial(copy_into, target, value) for _, value, target in pairs]
-        return without_grad(finish_all, steps)
+        return finish_all([functools.partial(copy_into, t, v) for _, v, t in pairs])
     # A value that is its target already (a state_dict dcp.load filled in place) stays.
     plain = [(t, v) for t, v in plain if t is not v and not same_memory(t, v)]
     if plain:
-        without_grad(torch._foreach_copy_, [t for t, _ in plain], [v for _, v in plain])
+        torch._foreach_copy_([t for t, _ in plain], [v for _, v in plain])
 
 
 def finish_all(steps) -> None:

@@ -4,7 +4,6 @@ is walk.py's job; which names are copied or left out, name_filters.py's."""
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -59,21 +58,15 @@ class EntryPolicy:
         """The name filters as state_dict() saves them."""
         return {"copy_names": list(self.copy), "ignore_names": list(self.ignore)}
 
-    @functools.cached_property
-    def copy_filter(self) -> NameFilter:
-        return NameFilter(self.copy)
-
-    @functools.cached_property
-    def ignore_filter(self) -> NameFilter:
-        return NameFilter(self.ignore)
+    def __post_init__(self):
+        self.copy_filter, self.ignore_filter = NameFilter(self.copy), NameFilter(self.ignore)
 
     def select(self, tracked: list[Tracked], warn_unused: bool = False) -> list[Tracked]:
         """`tracked` without the tensors ignore_names leaves out."""
         if warn_unused:
             names = [n for t in tracked for n in t.names]
             for what, patterns in (("copy_names", self.copy), ("ignore_names", self.ignore)):
-                unused = NameFilter(patterns).unused(names)
-                if unused:
+                if unused := NameFilter(patterns).unused(names):
                     warnings.warn(
                         f"fused_ema: {what} {unused} match no parameter or buffer of the model "
                         f"(names look like {names[:3]})",
@@ -119,11 +112,9 @@ class EntryPolicy:
                     f"shard, so device={str(self.device)!r} cannot apply. Build the EMA with "
                     "device=None, and gather it with ema.full_state_dict() where needed."
                 )
-            device = t.device
-        elif t.is_meta:
-            device = t.device  # no values yet: resync(model) after materialising the model
-        else:
-            device = self.device if self.device is not None else t.device
+        # A shard's EMA lives with it; a meta tensor's holds no values yet (resync(model) after
+        # materialising the model).
+        device = t.device if is_dtensor(t) or t.is_meta or self.device is None else self.device
         if self.shard is not None and average and t.dim() > 0 and not t.is_meta:
             ema = self.shard.new_ema(t, device, dtype)
         else:
@@ -176,20 +167,13 @@ class EntryTable:
         self.entries = entries
         self.by_name = {name: e for e in entries for name in e.names}
 
-    def names(self) -> list[str]:
-        return [name for e in self.entries for name in e.names]
-
     def match(self, tracked: list[Tracked]) -> list[tuple[Tracked, Entry | None, str]]:
         """Pairs every model tensor with an entry: the entry bound to that very tensor object
         first (whatever its name now), then an unclaimed entry of the same name, kind and shape.
         Each pair carries how it was found: "same", "renamed", "reshaped" (same object, new
         shape), "partitioned" (by ZeRO-3 since), "replaced" (by name), "untied" (by name, entry
         already claimed) or "new"."""
-        by_object = {}
-        for e in self.entries:
-            bound = e.bound()
-            if bound is not None:
-                by_object.setdefault(id(bound), e)
+        by_object = {id(e.bound()): e for e in reversed(self.entries)}  # the first entry bound
         claimed: dict[int, list] = {}  # entry id -> the names its claimer carries now
         found: dict[int, tuple[Entry, str]] = {}
         for k, t in enumerate(tracked):
@@ -236,8 +220,7 @@ class EntryTable:
                 out.added += t.names
             elif how == "renamed":
                 renamed.add(id(e))
-                old = ", ".join(e.names)
-                out.renamed.append(f"{old} -> {', '.join(t.names)}")
+                out.renamed.append(f"{', '.join(e.names)} -> {', '.join(t.names)}")
             elif how == "reshaped":
                 shape = "meta" if e.ema.is_meta else list(e.ema.shape)
                 out.reshaped.append(f"{t.name} (EMA {shape}, model {list(t.tensor.shape)})")
@@ -245,8 +228,7 @@ class EntryTable:
                 out.partitioned += t.names
             elif how in ("replaced", "untied") and t.kind == PARAM:
                 out.replaced += [n for n in t.names if n in e.names] or t.names[:1]
-                extra = [n for n in t.names if n not in e.names]
-                out.added += extra
+                out.added += [n for n in t.names if n not in e.names]
         out.removed = [n for e in self.entries if id(e) not in claimed for n in e.names]
         # names an entry had that its tensor no longer carries (a tie was undone)
         current = {n for t in tracked for n in t.names}

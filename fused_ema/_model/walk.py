@@ -20,8 +20,6 @@ BUFFER = "buffer"
 _WRAPPER_COMPONENT = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 # Prefixes a whole checkpoint may carry: DDP/DataParallel (module.), torch.compile (_orig_mod.).
 _CHECKPOINT_PREFIXES = ("module.", "_orig_mod.")
-
-
 _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
