@@ -112,12 +112,11 @@ def check_resharding(pairs) -> None:
 
 
 def copy_all(pairs) -> None:
-    """EMA weights into the model (copy_to), or loaded values into the EMA (checked by the
-    caller: commit_loads), autograd off. Plain tensors are copied by one call
-    (torch._foreach_copy_: an interrupt lands before it or after it); DTensors, which may need a
-    collective each, one by one, the remaining copies still run if an interrupt lands part-way.
-    A sharded EMA of a replicated model is all-gathered into the model's tensors (a
-    collective)."""
+    """EMA weights into the model (copy_to), or the model's or loaded values into the EMA, as
+    checked by the caller (Binding.pairs_with, commit_loads), autograd off. Plain tensors are
+    copied by one call (torch._foreach_copy_: an interrupt lands before it or after it); DTensors,
+    which may need a collective each, one by one, the rest still running if an interrupt lands
+    part-way. A sharded EMA of a replicated model is all-gathered into the model (a collective)."""
     without_grad(_copy_all, pairs)
 
 
