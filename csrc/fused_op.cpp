@@ -6,6 +6,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -54,14 +55,6 @@ std::array<FusedRunner, kNumDeviceTypes>& runners() {
   return table;
 }
 
-std::string join(const std::vector<std::string>& names) {
-  std::string text;
-  for (const auto& name : names) {
-    text += (text.empty() ? "" : ", ") + name;
-  }
-  return text;
-}
-
 // A weight in messages: lerp_'s "weight", lerp_many_'s "weights[k]", bema_'s "weights[k] (beta)".
 std::string weight_name(FusedKind kind, size_t k) {
   if (one_list(kind)) {
@@ -108,14 +101,6 @@ void check_weights_device(const FusedCall& call, c10::Device device) {
   check_on_device(call.weights.device_tensor, one ? "weight" : "weights",
                   one ? "a float" : "floats", call.kind, device);
   check_on_device(call.rounding.step_tensor, "step", "an int", call.kind, device);
-}
-
-// The checks of a finished plan: a kernel for its device, the weights' and step's device.
-void check_device(const FusedCall& call, const DevicePlan& plan) {
-  TORCH_CHECK(runners()[static_cast<size_t>(plan.device.type())] != nullptr,
-              text(call.kind).device_op, "no kernel for tensors on ", plan.device,
-              " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
-  check_weights_device(call, plan.device);
 }
 
 // How a call's errors name its pairs.
@@ -214,18 +199,6 @@ void group_by_tensor(DevicePlan& plan, size_t tensors, size_t tracks) {
   pairs.swap(grouped.vec);
 }
 
-// The plan without the pairs of tracks whose host weight is 0: they would leave every value as it
-// is, so no memory of theirs is touched (nor for NaN or infinite sources).
-DevicePlan without_zero_tracks(const DevicePlan& plan, size_t tensors,
-                               const std::vector<double>& values) {
-  DevicePlan kept(plan.device);
-  const TrackIndex at(tensors);
-  std::copy_if(plan.pairs.begin(), plan.pairs.end(), std::back_inserter(kept.pairs),
-               [&](const FlatPair& p) { return values[at.track(p.index)] != 0.0; });
-  kept.write_backs = plan.write_backs;  // a stand-in left alone holds what its EMA held
-  return kept;
-}
-
 }  // namespace
 
 bool register_fused_runner(c10::DeviceType type, FusedRunner runner) {
@@ -285,16 +258,6 @@ FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights, bool rea
   return host_weights(kind, std::move(values));
 }
 
-void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op, bool read) {
-  TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
-  TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
-                    "step must be one int64 element (a 0-dim tensor), got ",
-                    dtype_name(step.scalar_type()), " of shape ", step.sizes());
-  const bool on_host = step.is_cpu() && read;
-  rounding.step_tensor = on_host ? nullptr : &step;
-  rounding.step = on_host ? static_cast<uint64_t>(*step.const_data_ptr<int64_t>()) : 0;
-}
-
 // lerp_'s Python number: a float or an int (not a bool). The schema's Scalar keeps the Python
 // type, so that True is refused here as it is by fused_ema.lerp_.
 FusedWeights checked_scalar_weight(const c10::Scalar& weight) {
@@ -309,28 +272,38 @@ FusedWeights checked_scalar_weight(const c10::Scalar& weight) {
   return host_weights(FusedKind::kLerp, {weight.toDouble()});
 }
 
-// A stochastic call: its weights, step, seeds, keys and offsets.
+// A stochastic call: its weights, then its step, one int64 element (read here from the CPU when
+// `read`, else left to the kernel), seeds, keys and offsets.
 FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
                           const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
                           c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets, bool read) {
   FusedCall call{kind, tensors, checked_weights(kind, weights, read)};
-  read_step(call.rounding, step, text(kind).device_op, read);
-  call.rounding.seeds = seeds;
-  call.rounding.keys = keys;
-  call.rounding.offsets = offsets;
+  const char* op = text(kind).device_op;
+  TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
+  TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
+                    "step must be one int64 element (a 0-dim tensor), got ",
+                    dtype_name(step.scalar_type()), " of shape ", step.sizes());
+  const bool on_host = step.is_cpu() && read;
+  call.rounding = {seeds, on_host ? static_cast<uint64_t>(*step.const_data_ptr<int64_t>()) : 0,
+                   on_host ? nullptr : &step, keys, offsets};
   return call;
 }
-
-const char* op_prefix(FusedKind kind) { return text(kind).op; }
 
 std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src) {
   TORCH_INTERNAL_ASSERT(call.tensors == src.size());
   check_lists(call, emas, src);
   // Row-major spans where elements are numbered (stochastic rounding), or where the three targets
-  // of a tensor must list its elements in one order (bema_).
-  std::vector<DevicePlan> plans = plan_pairs(
-      emas, src, call.stochastic() || call.bema(),
-      [&](const DevicePlan& plan) { check_device(call, plan); }, pair_names(call, src.size()));
+  // of a tensor must list its elements in one order (bema_). Each finished plan needs a kernel for
+  // its device, and the weights and step on that device or the CPU.
+  const auto check_device = [&](const DevicePlan& plan) {
+    TORCH_CHECK(
+        runners()[static_cast<size_t>(plan.device.type())] != nullptr, text(call.kind).device_op,
+        "no kernel for tensors on ", plan.device,
+        " in this build of fused_ema (kernels for: ", c10::Join(", ", devices_with_kernels()), ")");
+    check_weights_device(call, plan.device);
+  };
+  std::vector<DevicePlan> plans = plan_pairs(emas, src, call.stochastic() || call.bema(),
+                                             check_device, pair_names(call, src.size()));
   for (DevicePlan& plan : plans) {
     if (!call.bema()) {
       group_by_tensor(plan, src.size(), call.weights.tracks);
@@ -363,12 +336,20 @@ void run_fused_call(const FusedCall& call, const std::vector<DevicePlan>& plans)
       std::all_of(values.begin(), values.end(), [](double w) { return w == 0.0; })) {
     return;  // host weights all 0: every list stays as it is, untouched
   }
+  const TrackIndex at(call.tensors);
   for (const DevicePlan& whole : plans) {
-    // bema_'s kernels leave the lists of a zero weight alone themselves.
-    const bool drop = some_zero && !call.bema();
-    const DevicePlan kept =
-        drop ? without_zero_tracks(whole, call.tensors, values) : DevicePlan(whole.device);
-    runners()[static_cast<size_t>(whole.device.type())](drop ? kept : whole, call);
+    const FusedRunner runner = runners()[static_cast<size_t>(whole.device.type())];
+    if (!some_zero || call.bema()) {  // bema_'s kernels leave the lists of a zero weight alone
+      runner(whole, call);
+      continue;
+    }
+    // Without the pairs of tracks whose host weight is 0: they would leave every value as it is,
+    // so no memory of theirs is touched (nor for NaN or infinite sources).
+    DevicePlan kept(whole.device);
+    std::copy_if(whole.pairs.begin(), whole.pairs.end(), std::back_inserter(kept.pairs),
+                 [&](const FlatPair& p) { return values[at.track(p.index)] != 0.0; });
+    kept.write_backs = whole.write_backs;  // a stand-in left alone holds what its EMA held
+    runner(kept, call);
   }
 }
 

@@ -79,21 +79,15 @@ std::vector<std::string> devices_with_kernels();
 // from the CPU when `read`; host values must be finite and fit a float32.
 FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights, bool read = true);
 
-// A stochastic call's step: one int64 element, read here from the CPU when `read`, else left to
-// the kernel.
-void read_step(FusedRounding& rounding, const at::Tensor& step, const char* op, bool read = true);
-
 // lerp_'s Python number as its weight: a float or an int (not a bool), finite.
 FusedWeights checked_scalar_weight(const c10::Scalar& weight);
 
-// A stochastic call of `kind` over `tensors` sources: its weights, step, seeds, keys and offsets.
+// A stochastic call of `kind` over `tensors` sources: its weights, step (one int64 element, read
+// here from the CPU when `read`, else left to the kernel), seeds, keys and offsets.
 FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
                           const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
                           c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets,
                           bool read = true);
-
-// What starts the messages of a call of `kind` ("fused_ema.lerp_: ", ...).
-const char* op_prefix(FusedKind kind);
 
 // bema_'s lists, tracks 0, 1 and 2 of its call.
 inline constexpr const char* kBemaLists[] = {"ema", "theta0", "out"};

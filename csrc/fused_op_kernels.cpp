@@ -74,7 +74,7 @@ void bema_op(at::TensorList ema, at::TensorList theta0, at::TensorList out, at::
   targets.reserve(3 * src.size());
   const at::TensorList lists[] = {ema, theta0, out};
   for (size_t k = 0; k < 3; ++k) {
-    TORCH_CHECK_VALUE(lists[k].size() == src.size(), op_prefix(call.kind), kBemaLists[k], " has ",
+    TORCH_CHECK_VALUE(lists[k].size() == src.size(), "fused_ema.bema_: ", kBemaLists[k], " has ",
                       lists[k].size(), " tensors but src has ", src.size());
     for (const at::Tensor& t : lists[k]) {
       targets.push_back(&t);

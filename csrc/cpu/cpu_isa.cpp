@@ -2,6 +2,7 @@
 #include "cpu_isa.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -52,14 +53,6 @@ int find(const std::string& name) {
   return -1;
 }
 
-std::string join(const std::vector<std::string>& names) {
-  std::string text;
-  for (const auto& n : names) {
-    text += (text.empty() ? "" : ", ") + n;
-  }
-  return text;
-}
-
 int best_available() {
   for (int k = kNumIsas - 1; k > 0; --k) {
     if (available(k)) {
@@ -79,7 +72,7 @@ int initial_choice() {
     return k;
   }
   TORCH_WARN("fused_ema: FUSED_EMA_CPU_ISA=", requested,
-             " is not available here (available: ", join(available_isas()), "); using ",
+             " is not available here (available: ", c10::Join(", ", available_isas()), "); using ",
              kIsas[best_available()].name);
   return best_available();
 }
@@ -89,34 +82,29 @@ std::atomic<int>& choice() {
   return value;
 }
 
-}  // namespace
-
-std::vector<std::string> compiled_isas() {
-  std::vector<std::string> names;
-  for (const auto& isa : kIsas) {
-    if (*isa.table != nullptr) {
-      names.emplace_back(isa.name);
-    }
-  }
-  return names;
-}
-
-std::vector<std::string> available_isas() {
+// The instruction sets compiled in (and, with `here`, supported by this CPU), baseline first.
+std::vector<std::string> isa_names(bool here) {
   std::vector<std::string> names;
   for (int k = 0; k < kNumIsas; ++k) {
-    if (available(k)) {
+    if (here ? available(k) : *kIsas[k].table != nullptr) {
       names.emplace_back(kIsas[k].name);
     }
   }
   return names;
 }
 
+}  // namespace
+
+std::vector<std::string> compiled_isas() { return isa_names(false); }
+
+std::vector<std::string> available_isas() { return isa_names(true); }
+
 std::string active_isa() { return kIsas[choice().load()].name; }
 
 void set_active_isa(const std::string& isa) {
   const int k = find(isa);
   TORCH_CHECK_VALUE(k >= 0 && available(k), "fused_ema: CPU instruction set '", isa,
-                    "' is not available here; available: ", join(available_isas()));
+                    "' is not available here; available: ", c10::Join(", ", available_isas()));
   choice().store(k);
 }
 
