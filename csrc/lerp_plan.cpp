@@ -36,15 +36,7 @@ constexpr size_t kAhead = 12;
     prefetch_object<sizeof(at::Tensor)>(list[i + 2 * kAhead]);
   }
   if (i + kAhead < count) {
-    prefetch_tensor_impl(list[i + kAhead]->unsafeGetTensorImpl());
-  }
-}
-
-// Bumps each EMA's version counter once the whole call is known to be valid (torch's own bump:
-// an inference tensor outside InferenceMode raises its message).
-void bump_versions(const std::vector<c10::TensorImpl*>& impls) {
-  for (c10::TensorImpl* impl : impls) {
-    impl->bump_version();
+    prefetch_object<sizeof(c10::TensorImpl)>(list[i + kAhead]->unsafeGetTensorImpl());
   }
 }
 
@@ -102,11 +94,6 @@ bool same_src(const PairNames& names, int64_t a, int64_t b) {
   return tensors == 0 ? a == b : a % tensors == b % tensors;
 }
 
-bool dense_pair(const at::Tensor& e, const at::Tensor& s, bool e_contiguous, bool s_contiguous) {
-  return (e_contiguous && s_contiguous) ||
-         (e.is_non_overlapping_and_dense() && s.strides() == e.strides());
-}
-
 // A pair whose layouts do not line up: compute through contiguous stand-ins.
 void add_stand_in_pair(DevicePlan& plan, const at::Tensor& e, const at::Tensor& s, uint32_t index,
                        bool row_major) {
@@ -134,8 +121,10 @@ void add_stand_in_pair(DevicePlan& plan, const at::Tensor& e, const at::Tensor& 
 void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs,
                    const PairNames& names) {
   const auto by_lo = [](const Interval& a, const Interval& b) { return a.lo < b.lo; };
-  if (!std::is_sorted(emas.begin(), emas.end(), by_lo)) {
-    std::sort(emas.begin(), emas.end(), by_lo);
+  for (std::vector<Interval>* ranges : {&emas, &srcs}) {
+    if (!std::is_sorted(ranges->begin(), ranges->end(), by_lo)) {
+      std::sort(ranges->begin(), ranges->end(), by_lo);
+    }
   }
   for (size_t k = 1; k < emas.size(); ++k) {
     const Interval& a = emas[k - 1];
@@ -143,9 +132,6 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs,
     TORCH_CHECK(b.lo >= a.hi, names.op, ema_name(names, std::min(a.index, b.index)), " and ",
                 ema_name(names, std::max(a.index, b.index)),
                 " share memory; every EMA tensor must own its memory");
-  }
-  if (!std::is_sorted(srcs.begin(), srcs.end(), by_lo)) {
-    std::sort(srcs.begin(), srcs.end(), by_lo);
   }
   size_t k = 0;
   for (const Interval& s : srcs) {
@@ -239,7 +225,10 @@ class Planner {
       // lerp_many_'s tracks share each src (and its device): its range once, with track 0's pair.
       w.src_ranges.push_back(memory_interval(s, s_data, s_contiguous, index));
     }
-    if (dense_pair(e, s, e_contiguous, s_contiguous) && (e_contiguous || !row_major_)) {
+    // Dense memory with the same layout on both sides (in row-major order where it must be).
+    const bool dense = (e_contiguous && s_contiguous) ||
+                       (e.is_non_overlapping_and_dense() && s.strides() == e.strides());
+    if (dense && (e_contiguous || !row_major_)) {
       // Written in place (sized for every pair up front): push_back is an out-of-line call.
       FlatPair& pair = w.plan.pairs[w.pair_count++];
       pair.ema = e_data;
@@ -269,7 +258,9 @@ class Planner {
       }
       plans.push_back(std::move(w.plan));
     }
-    bump_versions(bumped_.vec);
+    for (c10::TensorImpl* impl : bumped_.vec) {
+      impl->bump_version();  // torch's own bump (an inference tensor outside InferenceMode raises)
+    }
     return plans;
   }
 

@@ -71,11 +71,6 @@ template <size_t kBytes, int kWrite = 0>
   __builtin_prefetch(bytes + kBytes - 1, kWrite);
 }
 
-// Prefetches a TensorImpl: the metadata of a long list has left the cache.
-[[gnu::always_inline]] inline void prefetch_tensor_impl(const c10::TensorImpl* impl) {
-  prefetch_object<sizeof(c10::TensorImpl)>(impl);
-}
-
 // Lists shorter than this are still in the L2 cache from their last update, where prefetching
 // by hand only adds instructions (1,000 tensors cost 20% more with it).
 constexpr size_t kPrefetchFrom = 2048;

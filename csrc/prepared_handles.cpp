@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
@@ -36,6 +37,13 @@ int64_t prepared_new(at::TensorList schedules) {
   const int64_t handle = r.next++;
   r.items.emplace(handle, std::move(prepared));
   return handle;
+}
+
+std::shared_ptr<PreparedUpdate> find_prepared(int64_t handle) {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.items.find(handle);
+  return it == r.items.end() ? nullptr : it->second;
 }
 
 std::shared_ptr<PreparedUpdate> found(int64_t handle) {
@@ -99,13 +107,6 @@ void set_python_error(const std::exception& err) {
     }
   }
   PyErr_SetString(type, message);
-}
-
-std::shared_ptr<PreparedUpdate> find_prepared(int64_t handle) {
-  Registry& r = registry();
-  const std::lock_guard<std::mutex> lock(r.mutex);
-  const auto it = r.items.find(handle);
-  return it == r.items.end() ? nullptr : it->second;
 }
 
 // run_prepared(handle, cache, model, mode, step, replan) -> bool: with a walk cache (3.12+), first

@@ -24,6 +24,18 @@ constexpr size_t kStorageAhead = 8;
 // Tensors from which the check is split between threads (fewer are still in the L2 cache).
 constexpr int64_t kParallelCheckFrom = 4096;
 
+// fn(begin, end) over [0, count): split between threads from kParallelCheckFrom on, so that the
+// cache misses of a long list overlap.
+template <typename Fn>
+void over_tensors(size_t count, const Fn& fn) {
+  const auto n = static_cast<int64_t>(count);
+  if (n < kParallelCheckFrom) {
+    fn(0, n);
+  } else {
+    at::parallel_for(0, n, kParallelCheckFrom / 2, fn);
+  }
+}
+
 TensorState state_of(const at::Tensor& t) {
   TensorState state;
   state.numel = t.numel();
@@ -100,14 +112,13 @@ bool PreparedUpdate::unchanged() const {
   if (!reusable_ || states_.size() != n) {
     return false;
   }
-  // Each tensor's check waits on two cache misses (its TensorImpl, then its storage): threads
-  // split a long list so that their misses overlap.
+  // Each tensor's check waits on two cache misses (its TensorImpl, then its storage).
   std::atomic<bool> same{true};
-  const auto check = [&](int64_t begin, int64_t end) {
+  over_tensors(n, [&](int64_t begin, int64_t end) {
     const auto stop = static_cast<size_t>(end);
     for (auto i = static_cast<size_t>(begin); i < stop; ++i) {
       if (i + kImplAhead < stop) {
-        prefetch_tensor_impl(watched_[i + kImplAhead]->unsafeGetTensorImpl());
+        prefetch_object<sizeof(c10::TensorImpl)>(watched_[i + kImplAhead]->unsafeGetTensorImpl());
       }
       if (i + kStorageAhead < stop) {
         const c10::TensorImpl* impl = watched_[i + kStorageAhead]->unsafeGetTensorImpl();
@@ -120,13 +131,7 @@ bool PreparedUpdate::unchanged() const {
         return;
       }
     }
-  };
-  const auto count = static_cast<int64_t>(n);
-  if (count < kParallelCheckFrom) {
-    check(0, count);
-  } else {
-    at::parallel_for(0, count, kParallelCheckFrom / 2, check);
-  }
+  });
   return same.load();
 }
 
@@ -196,16 +201,6 @@ void PreparedUpdate::run_call(const PreparedCall& call) {
   run_fused_call(fused_call_of(call), call.plans);
 }
 
-bool PreparedUpdate::weights_all_zero() const {
-  for (size_t s = 0; s < schedules_.size(); s += 3) {
-    const at::Tensor& out = schedules_[s + 1];  // (weight, decay)
-    if (!out.is_cpu() || *out.const_data_ptr<double>() != 0.0) {
-      return false;
-    }
-  }
-  return true;
-}
-
 void PreparedUpdate::Copies::run() const {
   for (size_t i = 0; i < dst.size(); ++i) {
     const at::Tensor& d = dst[i];
@@ -226,26 +221,24 @@ bool PreparedUpdate::run(StepMode mode, int64_t step, bool replan) {
   if (unchanged()) {
     // As the planner does for the calls it plans, while the check has their metadata in cache;
     // each bump is an atomic increment of a counter of its own, another miss: split as the check.
-    const auto bump = [&](int64_t begin, int64_t end) {
+    over_tensors(written_.size(), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         written_[static_cast<size_t>(i)]->bump_version();
       }
-    };
-    const auto count = static_cast<int64_t>(written_.size());
-    if (count < kParallelCheckFrom) {
-      bump(0, count);
-    } else {
-      at::parallel_for(0, count, kParallelCheckFrom / 2, bump);
-    }
+    });
   } else if (replan) {
     plan();  // every op's checks: a refusal throws here, before anything is written
   } else {
     return false;
   }
   advance(mode, step);
-  if (!staging_.dst.empty() && !weights_all_zero()) {
-    // Staged sources are copied only when they will be read: update_every's skipped steps have
-    // host weights of 0, and cross-device copies are not free.
+  // Staged sources are copied only when they will be read: update_every's skipped steps have host
+  // weights of 0 (each schedule's out: weight, decay), and cross-device copies are not free.
+  bool read = false;
+  for (size_t s = 1; s < schedules_.size() && !read; s += 3) {
+    read = !schedules_[s].is_cpu() || *schedules_[s].const_data_ptr<double>() != 0.0;
+  }
+  if (read) {
     staging_.run();
   }
   for (const PreparedCall& call : calls_) {

@@ -8,7 +8,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "fused_op.h"
@@ -71,7 +70,6 @@ class PreparedUpdate {
   void plan();
   void advance(StepMode mode, int64_t step);
   void run_call(const PreparedCall& call);
-  bool weights_all_zero() const;
 
   // Copies of each run: dst[i] <- src[i].
   struct Copies {
@@ -88,8 +86,5 @@ class PreparedUpdate {
   std::atomic<int64_t> runs_{0};
   std::vector<c10::TensorImpl*> written_;  // the EMA tensors whose version each run moves
 };
-
-// The prepared updates, by handle (the ops of prepared_update.cpp make them, Python frees them).
-std::shared_ptr<PreparedUpdate> find_prepared(int64_t handle);
 
 }  // namespace fused_ema
