@@ -91,17 +91,6 @@ struct ModuleDicts {
 
 namespace walk_detail {
 
-inline PyObject* dict_entry(PyObject* instance_dict, PyObject* module, PyObject* name) {
-  PyObject* value = PyDict_GetItemWithError(instance_dict, name);
-  if (value == nullptr && !PyErr_Occurred()) {
-    PyErr_Format(PyExc_TypeError,
-                 "tensor_walk: a %.200s in the module tree has no %U in its __dict__ "
-                 "(only torch.nn.Module trees can be walked)",
-                 Py_TYPE(module)->tp_name, name);
-  }
-  return value;
-}
-
 inline bool read_dicts(PyObject* module, bool with_buffers, const WalkNames& n, ModuleDicts& d) {
   d.dict = OwnedRef::steal(PyObject_GenericGetDict(module, nullptr));
   if (d.dict.get() == nullptr || !PyDict_Check(d.dict.get())) {
@@ -112,29 +101,32 @@ inline bool read_dicts(PyObject* module, bool with_buffers, const WalkNames& n, 
                  Py_TYPE(module)->tp_name);
     return false;
   }
-  PyObject* dict = d.dict.get();
-  PyObject* value = dict_entry(dict, module, n.parameters);
-  d.parameters = OwnedRef(value);
-  if (value == nullptr || (value = dict_entry(dict, module, n.modules)) == nullptr) {
+  // into = the instance dict's entry `name`, held; false with an error set if it has none.
+  const auto entry = [&](PyObject* name, OwnedRef& into) {
+    PyObject* value = PyDict_GetItemWithError(d.dict.get(), name);
+    if (value == nullptr && !PyErr_Occurred()) {
+      PyErr_Format(PyExc_TypeError,
+                   "tensor_walk: a %.200s in the module tree has no %U in its __dict__ "
+                   "(only torch.nn.Module trees can be walked)",
+                   Py_TYPE(module)->tp_name, name);
+    }
+    into = OwnedRef(value);
+    return value != nullptr;
+  };
+  if (!entry(n.parameters, d.parameters) || !entry(n.modules, d.children)) {
     return false;
   }
-  d.children = OwnedRef(value);
-  if (with_buffers) {
-    if ((value = dict_entry(dict, module, n.buffers)) == nullptr) {
-      return false;
-    }
-    d.buffers = OwnedRef(value);
-    // Which buffers are persistent matters only where there are buffers: most modules have
-    // none, and the set would be one more object read per module.
-    if (PyDict_CheckExact(value) && PyDict_GET_SIZE(value) == 0) {
-      return true;
-    }
-    if ((value = dict_entry(dict, module, n.non_persistent)) == nullptr) {
-      return false;
-    }
-    d.skip = OwnedRef(value);
+  if (!with_buffers) {
+    return true;
   }
-  return true;
+  if (!entry(n.buffers, d.buffers)) {
+    return false;
+  }
+  // Which buffers are persistent matters only where there are buffers: most modules have none,
+  // and the set would be one more object read per module.
+  PyObject* buffers = d.buffers.get();
+  return (PyDict_CheckExact(buffers) && PyDict_GET_SIZE(buffers) == 0) ||
+         entry(n.non_persistent, d.skip);
 }
 
 // Calls visit(key, value) for every item of an exact dict (insertion order), or of another

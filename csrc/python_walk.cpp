@@ -84,7 +84,7 @@ class NamedVisitor {
     return true;
   }
   bool item(PyObject* name, PyObject* value, bool is_param) {
-    const OwnedRef full = joined(name, nullptr);
+    const OwnedRef full = OwnedRef::steal(PyUnicode_FromFormat("%U%S", prefix_, name));
     if (full.get() == nullptr) {
       return false;
     }
@@ -93,7 +93,7 @@ class NamedVisitor {
     return entry.get() != nullptr && PyList_Append(list_.get(), entry.get()) == 0;
   }
   bool child(PyObject* name, PyObject* /*child*/, size_t& tag) {
-    OwnedRef prefix = joined(name, ".");
+    OwnedRef prefix = OwnedRef::steal(PyUnicode_FromFormat("%U%S.", prefix_, name));
     if (prefix.get() == nullptr) {
       return false;
     }
@@ -109,21 +109,6 @@ class NamedVisitor {
   }
 
  private:
-  // prefix_ + str(name) (+ suffix), new.
-  OwnedRef joined(PyObject* name, const char* suffix) const {
-    const OwnedRef text = OwnedRef::steal(PyObject_Str(name));
-    if (text.get() == nullptr) {
-      return OwnedRef();
-    }
-    OwnedRef out = OwnedRef::steal(PyUnicode_Concat(prefix_, text.get()));
-    if (out.get() == nullptr || suffix == nullptr) {
-      return out;
-    }
-    const OwnedRef tail = OwnedRef::steal(PyUnicode_FromString(suffix));
-    return tail.get() == nullptr ? OwnedRef()
-                                 : OwnedRef::steal(PyUnicode_Concat(out.get(), tail.get()));
-  }
-
   OwnedRef list_;
   std::vector<OwnedRef> prefixes_;  // by tag
   PyObject* prefix_ = nullptr;      // the module being visited's, borrowed from prefixes_

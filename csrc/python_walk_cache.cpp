@@ -141,19 +141,7 @@ class WalkCache {
 
   void invalidate() { changed_ = true; }
 
-  // Fills `out` (a new list of items() slots) with the walk of `model` if fresh(model).
-  bool unchanged(PyObject* model, PyObject* out) const {
-    if (!fresh(model)) {
-      return false;
-    }
-    for (size_t k = 0; k < items_.size(); ++k) {
-      Py_INCREF(items_[k]);
-      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), items_[k]);
-    }
-    return true;
-  }
-
-  size_t items() const { return items_.size(); }
+  const std::vector<PyObject*>& items() const { return items_; }
 
   // Whether no dict the walk read has changed and no buffer changed its persistence: then `model`
   // holds the same tensor objects under the same names (their metadata is the caller's to check).
@@ -330,15 +318,19 @@ PyObject* python_walk_unchanged(PyObject* /*module*/, PyObject* const* args, Py_
     return nullptr;
   }
   // The list comes first: nothing allocates (so no collection runs) while the cache is read.
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(cache->items()));
+  const std::vector<PyObject*>& items = cache->items();
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(items.size()));
   if (out == nullptr) {
     return nullptr;
   }
-  if (cache->unchanged(args[1], out)) {
-    return out;
+  if (!cache->fresh(args[1])) {
+    Py_DECREF(out);
+    Py_RETURN_NONE;
   }
-  Py_DECREF(out);
-  Py_RETURN_NONE;
+  for (size_t k = 0; k < items.size(); ++k) {
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), Py_NewRef(items[k]));
+  }
+  return out;
 #else
   PyErr_SetString(PyExc_RuntimeError, "walk_unchanged: no walk cache on this Python (3.12+)");
   return nullptr;
