@@ -71,19 +71,16 @@ void check_schedule_tensors(const at::Tensor& step, const at::Tensor& out,
               " but step is on ", step.device());
 }
 
-Schedule check_schedule_config(const double* config) {
-  const int bad = first_bad_field(config);
-  TORCH_CHECK_VALUE(bad == kNumConfigFields, kOp, "config: ", kFieldRules[bad], ", got ",
-                    config[bad]);
-  return schedule_from_config(config);
-}
-
 namespace {
 
 void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
                       bool advance) {
   check_schedule_tensors(step, out, config);
-  const Schedule sc = check_schedule_config(config.const_data_ptr<double>());
+  const double* fields = config.const_data_ptr<double>();
+  const int bad = first_bad_field(fields);  // a ValueError names the first bad field
+  TORCH_CHECK_VALUE(bad == kNumConfigFields, kOp, "config: ", kFieldRules[bad], ", got ",
+                    fields[bad]);
+  const Schedule sc = schedule_from_config(fields);
   int64_t* t = step.mutable_data_ptr<int64_t>();
   if (advance) {
     *t = next_step(*t);

@@ -22,7 +22,4 @@ bool register_schedule_kernel(c10::DeviceType type, ScheduleKernel kernel);
 void run_schedule(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
                   bool advance);
 
-// Every field of a host config against the contract; a ValueError names the first bad one.
-Schedule check_schedule_config(const double* config);
-
 }  // namespace fused_ema

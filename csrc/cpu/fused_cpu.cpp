@@ -64,24 +64,25 @@ void for_each_item_span(size_t count, const Numel& numel, int64_t grain, size_t 
   });
 }
 
-// Every line of the first kPrefetchBytes of a pair's ema and src (a tiny tensor's data is several
-// lines, each a miss when only the first was prefetched).
-[[gnu::always_inline]] inline void prefetch_data(const FlatPair& pair) {
-  const PairInfo& info = kPairs[static_cast<int>(pair.kind)];
-  const auto ema_bytes = static_cast<int64_t>(c10::elementSize(info.ema)) * pair.numel;
-  const auto src_bytes = static_cast<int64_t>(c10::elementSize(info.src)) * pair.numel;
-  prefetch_range<1>(pair.ema, std::min(ema_bytes, kPrefetchBytes));
-  prefetch_range<0>(pair.src, std::min(src_bytes, kPrefetchBytes));
-}
-
-// The first bytes of a pair's data (all of kPrefetchBytes for far lists, whose data has left the
-// cache; the first line otherwise).
-[[gnu::always_inline]] inline void prefetch_pair(const FlatPair& pair, bool far) {
-  if (far) {
-    prefetch_data(pair);
-  } else {
+// The first bytes of a pair's ema and (with_src) src: for far lists, whose data has left the
+// cache, every line of the first kPrefetchBytes (a tiny tensor's data is several lines, each a
+// miss when only the first was prefetched); the first line otherwise.
+[[gnu::always_inline]] inline void prefetch_pair(const FlatPair& pair, bool far,
+                                                 bool with_src = true) {
+  if (!far) {
     __builtin_prefetch(pair.ema, 1);
-    __builtin_prefetch(pair.src);
+    if (with_src) {
+      __builtin_prefetch(pair.src);
+    }
+    return;
+  }
+  const PairInfo& info = kPairs[static_cast<int>(pair.kind)];
+  const auto bytes = [&](c10::ScalarType type) {
+    return std::min(static_cast<int64_t>(c10::elementSize(type)) * pair.numel, kPrefetchBytes);
+  };
+  prefetch_range<1>(pair.ema, bytes(info.ema));
+  if (with_src) {
+    prefetch_range<0>(pair.src, bytes(info.src));
   }
 }
 
@@ -139,16 +140,8 @@ void for_each_track_span(const DevicePlan& plan, size_t tensors, const Span& spa
       std::max<size_t>(1, kPrefetchPairs / static_cast<size_t>(tracks)),
       [&](size_t r) {
         // The tracks share the src (bar stand-ins): prefetched with the first.
-        prefetch_pair(rows[r].pairs[0], far);
-        for (uint32_t k = 1; k < rows[r].tracks; ++k) {
-          const FlatPair& pair = rows[r].pairs[k];
-          if (far) {
-            const auto bytes = static_cast<int64_t>(
-                c10::elementSize(kPairs[static_cast<int>(pair.kind)].ema) * pair.numel);
-            prefetch_range<1>(pair.ema, std::min(bytes, kPrefetchBytes));
-          } else {
-            __builtin_prefetch(pair.ema, 1);
-          }
+        for (uint32_t k = 0; k < rows[r].tracks; ++k) {
+          prefetch_pair(rows[r].pairs[k], far, k == 0);
         }
       },
       [&](size_t r, int64_t begin, int64_t end) {
