@@ -75,7 +75,9 @@ struct TensorStream {
   uint32_t hi;
 
   FUSED_EMA_HOST_DEVICE TensorStream(uint64_t step_key_, uint32_t key_, uint64_t first)
-      : step(step_key_), k(pair_key(step_key_, key_, hi32(first >> 1))), key(key_),
+      : step(step_key_),
+        k(pair_key(step_key_, key_, hi32(first >> 1))),
+        key(key_),
         hi(hi32(first >> 1)) {}
 
   FUSED_EMA_HOST_DEVICE uint32_t word(uint64_t e) const {
