@@ -6,7 +6,6 @@
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
-#include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -15,6 +14,7 @@
 #include <iterator>
 #include <utility>
 
+#include "join.h"
 #include "opmath.h"
 
 namespace fused_ema {
@@ -296,10 +296,9 @@ std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, 
   // of a tensor must list its elements in one order (bema_). Each finished plan needs a kernel for
   // its device, and the weights and step on that device or the CPU.
   const auto check_device = [&](const DevicePlan& plan) {
-    TORCH_CHECK(
-        runners()[static_cast<size_t>(plan.device.type())] != nullptr, text(call.kind).device_op,
-        "no kernel for tensors on ", plan.device,
-        " in this build of fused_ema (kernels for: ", c10::Join(", ", devices_with_kernels()), ")");
+    TORCH_CHECK(runners()[static_cast<size_t>(plan.device.type())] != nullptr,
+                text(call.kind).device_op, "no kernel for tensors on ", plan.device,
+                " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
     check_weights_device(call, plan.device);
   };
   std::vector<DevicePlan> plans = plan_pairs(emas, src, call.stochastic() || call.bema(),

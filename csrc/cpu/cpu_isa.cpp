@@ -2,10 +2,11 @@
 #include "cpu_isa.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/StringUtil.h>
 
 #include <atomic>
 #include <cstdlib>
+
+#include "../join.h"
 
 namespace fused_ema::cpu {
 namespace {
@@ -72,7 +73,7 @@ int initial_choice() {
     return k;
   }
   TORCH_WARN("fused_ema: FUSED_EMA_CPU_ISA=", requested,
-             " is not available here (available: ", c10::Join(", ", available_isas()), "); using ",
+             " is not available here (available: ", join(available_isas()), "); using ",
              kIsas[best_available()].name);
   return best_available();
 }
@@ -104,7 +105,7 @@ std::string active_isa() { return kIsas[choice().load()].name; }
 void set_active_isa(const std::string& isa) {
   const int k = find(isa);
   TORCH_CHECK_VALUE(k >= 0 && available(k), "fused_ema: CPU instruction set '", isa,
-                    "' is not available here; available: ", c10::Join(", ", available_isas()));
+                    "' is not available here; available: ", join(available_isas()));
   choice().store(k);
 }
 
