@@ -3,7 +3,7 @@
 // bfloat16/float16 weights without a temporary copy.
 #pragma once
 
-#include <c10/core/ScalarType.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <cstdint>
 #include <optional>

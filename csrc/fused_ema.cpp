@@ -1,8 +1,8 @@
 // Declares the fused_ema operators, and the Python module fused_ema._C whose import loads this
 // library (kernels register themselves from cpu/ and cuda/) and reports how it was built.
 #include <Python.h>
+#include <torch/headeronly/version.h>
 #include <torch/library.h>
-#include <torch/version.h>
 
 #include <iterator>
 #include <string>

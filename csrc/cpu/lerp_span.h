@@ -4,8 +4,8 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
