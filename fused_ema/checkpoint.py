@@ -173,7 +173,6 @@ def _read_weights(path: str) -> dict:
 def read_pretrained_folder(path) -> dict:
     """config.json (where diffusers keeps the EMA's optimization_step) and the weights of a
     save_pretrained folder, whole or sharded (an *.index.json naming the shards)."""
-    path = os.fspath(path)
     files = sorted(os.listdir(path))
     config = {}
     if "config.json" in files:
@@ -251,8 +250,8 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
         return f"{name}: expected a tensor, got {type(tensor).__name__}"
     if tensor.is_meta:
         return f"{name}: a meta tensor holds no values"
-    if tensor.layout != torch.strided or getattr(tensor, "is_nested", False):
-        kind = "nested" if getattr(tensor, "is_nested", False) else str(tensor.layout)
+    if tensor.layout != torch.strided or tensor.is_nested:
+        kind = "nested" if tensor.is_nested else str(tensor.layout)
         return f"{name}: a {kind} tensor; the EMA holds dense (strided) tensors"
     if tensor.is_quantized:
         return f"{name}: a quantized tensor cannot be stored in the EMA's {ema.dtype}"

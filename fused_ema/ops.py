@@ -77,7 +77,7 @@ def lerp_stochastic_(
     no host sync, capturable in a CUDA graph). Bad input raises before anything is written.
     """
     src, ema = _aligned(_SR_OP, ("src_tensors", src_tensors), ("ema_tensors", ema_tensors))
-    if isinstance(weight, (bool, complex)) or not isinstance(weight, (float, int, torch.Tensor)):
+    if isinstance(weight, bool) or not isinstance(weight, (float, int, torch.Tensor)):
         raise TypeError(f"{_SR_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     if not isinstance(weight, torch.Tensor):
         weight = torch.tensor(float(weight), dtype=torch.float64)

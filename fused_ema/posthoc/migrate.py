@@ -65,11 +65,12 @@ def open_ema_pytorch_snapshot(info: SnapshotInfo) -> Iterator[SnapshotContents]:
         state = torch.load(info.path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch.load raises many kinds for a damaged file
         raise SnapshotError(f"{info.path}: not a readable ema-pytorch checkpoint ({err})") from None
-    if not isinstance(state, dict) or not any(str(k).startswith(PREFIX) for k in state):
+    items = state.items() if isinstance(state, dict) else ()
+    tensors = {k[len(PREFIX) :]: v for k, v in items if str(k).startswith(PREFIX)}
+    if not tensors:
         raise SnapshotError(
             f"{info.path}: not an ema-pytorch KarrasEMA state dict (no {PREFIX}* entries)"
         )
-    tensors = {k[len(PREFIX) :]: v for k, v in state.items() if k.startswith(PREFIX)}
     wrong = [name for name, t in tensors.items() if not isinstance(t, torch.Tensor)]
     if wrong:
         raise SnapshotError(f"{info.path}: entries that are not tensors: {', '.join(wrong)}")

@@ -382,7 +382,7 @@ class Snapshots:
     def raise_failure(self) -> None:
         """Raises the error of a snapshot that could not be written (once), dropping those done."""
         done = [j for j in self._written if j.done()]
-        self._written = [j for j in self._written if not j.done()]
+        self._written = [j for j in self._written if j not in done]  # (one may finish meanwhile)
         for job in done:
             if job.error is not None:
                 raise RuntimeError(
