@@ -5,7 +5,7 @@ call with weight 0 (its checks, plan and bookkeeping without the kernel), the sa
 one flat tensor (the kernel's memory traffic without any per-tensor work), foreach,
 ModelEma.update, and the check that the model still holds the planned tensor objects (what they
 hold, the prepared update checks): the cached one an unchanged model takes (_C.walk_unchanged) and
-the full one a changed model falls back to (_C.tensor_walk + walk_matches + the plan's take).
+the full one a changed model falls back to (_C.tensor_walk + walk_matches + the plan's taker).
 Medians of interleaved runs of this thread's CPU time, on one torch thread: on a shared machine,
 wall time and OpenMP barriers would measure the other tenants instead of the bookkeeping.
 
@@ -32,7 +32,7 @@ from tqdm import tqdm
 import fused_ema
 from fused_ema import _C
 from fused_ema._model.walk import tensor_walk
-from fused_ema._update.plan import take
+from fused_ema._update.plan import taker
 
 from . import report
 from .timing import summary
@@ -87,10 +87,12 @@ def steps(model: nn.Module) -> tuple[dict, dict]:
     if cache is None:
         unavailable[CACHED_CHECK] = walk_cache_missing() or "n/a: walk_cache declined this model"
 
+    take = taker(indices)
+
     def walk_check():
         current = _C.tensor_walk(model, True)
         assert _C.walk_matches(current, refs)
-        take(current, indices)
+        take(current)
 
     def cached_check():
         assert _C.walk_unchanged(cache, model) is not None

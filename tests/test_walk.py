@@ -1,4 +1,4 @@
-"""_C.tensor_walk / walk_matches and the plan's take and walk_signature: the walk equals the
+"""_C.tensor_walk / walk_matches and the plan's taker and walk_signature: the walk equals the
 reference (and named_modules order) on random module trees, and the check catches every way a model
 can stop holding what an update plan was built for, while passing untouched and in-place-updated
 models."""
@@ -15,7 +15,7 @@ from torch import nn
 
 from fused_ema import _C
 from fused_ema._model.walk import tensor_walk, walk_agrees
-from fused_ema._update.plan import take, walk_signature
+from fused_ema._update.plan import taker, walk_signature
 
 
 def reference_walk(model: nn.Module, with_buffers: bool) -> list:
@@ -343,13 +343,13 @@ def test_walk_matches_rejects_bad_lengths_and_arguments():
         _C.walk_matches(walk, good, b"")
 
 
-def test_take_indexes_and_checks_bounds():
+def test_taker_indexes_and_checks_bounds():
     walk = [torch.zeros(1), None, torch.ones(1)]
-    assert same_objects(take(walk, (2, 0, 1, 2, -1)), [walk[2], walk[0], None, walk[2], walk[2]])
-    assert same_objects(take(walk, (2,)), [walk[2]])  # one index: still a list
+    assert same_objects(taker((2, 0, 1, 2, -1))(walk), [walk[2], walk[0], None, walk[2], walk[2]])
+    assert same_objects(taker((2,))(walk), [walk[2]])  # one index: still a list
     for bad in ((3,), (0, -4)):
         with pytest.raises(IndexError, match="out of range"):
-            take(walk, bad)
+            taker(bad)(walk)
 
 
 @settings(max_examples=40, deadline=None)

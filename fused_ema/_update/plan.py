@@ -38,10 +38,6 @@ def taker(indices: tuple):
     return lambda walk: list(get(walk))
 
 
-def take(walk: list, indices: tuple) -> list:
-    return taker(indices)(walk)
-
-
 def walk_signature(walk: list) -> list:
     """What a plan relies on in each walk item besides its identity, which `.data =`, `resize_` or
     `.to()` can change: its Python type, dtype, layout, device and shape (None stays None)."""

@@ -217,7 +217,10 @@ class Updater:
     def _end(self, commit: bool) -> None:
         """Makes the step every schedule began final, or undoes it."""
         for schedule in self._schedules():
-            schedule.commit() if commit else schedule.rollback()
+            if commit:
+                schedule.commit()
+            else:
+                schedule.rollback()
 
     def trace(self, model, step, key: int) -> None:
         """update() inside torch.compile: the traced program walks the model and calls the op
