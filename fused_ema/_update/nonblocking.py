@@ -14,6 +14,7 @@ from .plan import copy_pairs
 class AsyncRunner:
     def __init__(self):
         self._pending: Job | None = None
+        self.started = None  # whether the update of the job in flight has written anything
         self._side_streams: dict = {}
 
     @property
@@ -47,26 +48,27 @@ class AsyncRunner:
         """The job in flight, for another thread to wait on (its error stays for wait())."""
         return self._pending
 
-    def prepare(self, fn) -> None:
-        """Makes `fn` the job in flight, not yet handed to the worker (launch() does)."""
-        self._pending = Job(fn)
+    def prepare(self, fn, started) -> None:
+        """Makes `fn` the job in flight, not yet handed to the worker (launch() does), of an
+        update for which `started()` tells whether anything is written."""
+        self._pending, self.started = Job(fn), started
 
     def launch(self) -> None:
         UPDATES.put(self._pending)
 
-    def settle(self, started) -> None:
+    def settle(self) -> None:
         """After a call that prepared a job raised, before it decides whether its update
-        happened: a job the worker has not begun is run here if `started()` (part of the update
+        happened: a job the worker has not begun is run here if started() (part of the update
         is written, so it must finish) or dropped; one the worker has begun is waited for."""
         job = self._pending
         if job.claim():
-            if started():
+            if self.started():
                 job.run()
             else:
                 job.drop("its update was interrupted before it was handed over")
         else:
             job.wait()
-        self._pending = None
+        self._pending = self.started = None
 
     def wait(self) -> None:
         """Waits for the job in flight; raises the error it ended with. Interrupted while
@@ -74,6 +76,6 @@ class AsyncRunner:
         job = self._pending
         if job is not None:
             error = job.wait()
-            self._pending = None
+            self._pending = self.started = None
             if error is not None:
                 raise error

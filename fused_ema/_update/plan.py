@@ -320,7 +320,7 @@ class UpdatePlan:
                     event.synchronize()
                 _write_all(later, walk, weight, step, landed=True)
 
-            runner.prepare(finish)
+            runner.prepare(finish, self.started)
         _write_all([*now, *(c for c in copies if not c.staging)], walk, weight, step)
         if pairs:
             runner.launch()

@@ -86,8 +86,7 @@ class Prepared:
         rows are averaged (or its ZeRO-3 partition) the same memory."""
         return (
             self._free.alive
-            and plans == self.plans  # plans compare by identity
-            and len(schedules) == len(self.steps)
+            and plans == self.plans  # by identity; one schedule per plan, as when prepared
             and all(a is s.step for a, s in zip(self.steps, schedules))
             and (
                 not self.shards  # each DTensor alive (0 where gone) and holding the shard prepared

@@ -35,7 +35,6 @@ class Updater:
         self.binding = binding
         self.schedule = schedule
         self.runner = AsyncRunner()
-        self.pending_plan = None  # the plan a non_blocking update runs on the worker
         self.swapped = False
         # Several EMAs of one model updated in one pass (fused_ema.PostHocEma): the leader's
         # update also updates its followers' EMAs, from one read of the model (ops.lerp_many_);
@@ -86,12 +85,13 @@ class Updater:
                     "call the PostHocEma's update()"
                 )
             step = self.schedule.check_step(step)
+            # A step begun by an update that landed whole but was interrupted before it could
+            # commit: it is final, and this update must not roll it back if it fails.
+            self._end(commit=True)
             blocking = not non_blocking and values is None
             if blocking and self._run_prepared(model, step):
                 return
             walk, names = self.binding.walk(model, non_blocking)
-            if names is None and any(not f.binding.vouches(non_blocking) for f in self.followers):
-                walk, names = _C.tensor_walk(model, self.binding.with_buffers, True)  # to plan
             args = (ema, model, walk, names, step, non_blocking, values)
             # trusted: the present plans' prepared update runs, and checks every tensor itself
             trusted = blocking and self._current() is not None
@@ -128,83 +128,62 @@ class Updater:
         if prepared is None:
             return False
         for schedule in self._schedules():
-            schedule.commit()  # a step an interrupted update left begun is final
             schedule.note_capture()
         return prepared.run(cache, model, *prep.step_mode(step), False)
-
-    def _prepared_for(self, plan, model, walk: list):
-        """The prepared form of `plan` for a blocking update, or None where it has none."""
-        prepared = self._current()
-        if prepared is not None or _dispatch_modes():
-            return prepared
-        if self.prepared is not None:
-            self.prepared.free()
-            self.prepared = None
-        schedules = self._schedules()
-        if prep.preparable(plan, schedules, walk):
-            self.prepared = prep.Prepared(plan, self._plans(), schedules, model, walk)
-        return self.prepared
 
     def _update(self, ema, model, walk, names, step, non_blocking: bool, values, trusted) -> bool:
         """update() with autograd off; False when the worker finishes it (synchronize() then
         commits or rolls back). `trusted`: the plans are prepared, and the prepared update checks
         the tensors (raising _Declined, having changed nothing, where one changed)."""
         schedules = self._schedules()
-        # A step begun by an update that landed whole but was interrupted before it could commit:
-        # it is final, and this update must not roll it back if it fails.
-        self._end(commit=True)
         plan, undos, wrote = None, [], lambda: False
         try:
-            plan, undo = self.binding.plan_for(
-                ema, model, walk, names, non_blocking, self.schedule, trusted
-            )
-            undos.append(undo)
             plans = []
-            for f in self.followers:
-                follower_plan, undo = f.binding.plan_for(
-                    f.ema_ref(), model, walk, names, non_blocking, f.schedule, trusted
+            for track, track_ema in ((self, ema), *((f, f.ema_ref()) for f in self.followers)):
+                own, undo = track.binding.plan_for(
+                    track_ema, model, walk, names, non_blocking, track.schedule, trusted
                 )
                 undos.append(undo)
-                plans.append(follower_plan)
-            if plans:
-                plan = plan.joined(plans, self.joint)
+                plans.append(own)
+            plan = plans[0].joined(plans[1:], self.joint) if self.followers else plans[0]
             if values is not None and not walk_agrees(values, walk):
                 # The traced walk (_model/walk.py, the Python form dynamo can follow) must be the
                 # C walk item for item: a disagreement is refused, never averaged.
                 raise RuntimeError("fused_ema: the compiled program walked another model structure")
             plan.marks = None  # nothing of this update written yet (plan.started())
             prepared = None
-            if trusted and not any(undos):  # the plans it was prepared for, unchanged
-                prepared = self.prepared
-            elif not non_blocking and values is None:
-                prepared = self._prepared_for(plan, model, walk)
+            if not non_blocking and values is None:  # blocking: prepared where it can be
+                prepared = self._current()
+                if prepared is None and not _dispatch_modes():
+                    if self.prepared is not None:
+                        self.prepared.free()
+                        self.prepared = None
+                    if prep.preparable(plan, schedules, walk):
+                        self.prepared = prep.Prepared(plan, self._plans(), schedules, model, walk)
+                    prepared = self.prepared
+            mode, value = prep.step_mode(step)
+            for schedule in schedules:
+                # A prepared run moves the counters itself, unless the step is a tensor.
+                if prepared is None or mode == prep.KEEP:
+                    schedule.begin(step)
+                schedule.note_capture()
             if prepared is not None:
-                # One call, all or nothing, the counters moved inside it: its count of runs tells
-                # which, whatever interrupts it.
-                mode, value = prep.step_mode(step)
-                for schedule in schedules:
-                    if mode == prep.KEEP:  # a tensor step: begin() sets the counters
-                        schedule.begin(step)
-                    schedule.note_capture()
+                # One call, all or nothing: its count of runs tells which, whatever interrupts it.
                 runs = prepared.runs()
                 wrote = lambda: prepared.runs() != runs  # noqa: E731
                 if not prepared.run(None, None, mode, value, not trusted):
                     raise _Declined
                 return True
-            for schedule in schedules:
-                schedule.begin(step)
-                schedule.note_capture()
             weight = schedules[0].weight
             if self.followers:  # a joined plan: one weight per EMA (the leader's first)
                 weight = torch.cat([s.weight for s in schedules])
             if not non_blocking:
                 plan.run(walk, weight, self.schedule.step, values)
             elif plan.start(walk, weight, self.schedule.step, self.runner):
-                self.pending_plan = plan
                 return False
         except BaseException:
             if self.runner.busy:
-                self.runner.settle(plan.started)  # a job this call prepared: finished or dropped
+                self.runner.settle()  # a job this call prepared: finished or dropped
             written = wrote() or (plan is not None and plan.started())
             self._end(commit=written)  # it wrote, so it finished: only the error propagates
             if not written:
@@ -245,15 +224,14 @@ class Updater:
         step then reads as before that update, which wrote nothing)."""
         if not self.runner.busy:
             return
+        started = self.runner.started
         try:
             self.runner.wait()
         except BaseException:
             if self.runner.busy:
                 raise  # interrupted while waiting: the job still runs
-            plan, self.pending_plan = self.pending_plan, None
-            self._end(commit=plan is None or plan.started())
+            self._end(commit=started())
             raise
-        self.pending_plan = None
         self._end(commit=True)
 
     @contextlib.contextmanager
