@@ -78,7 +78,9 @@ class DeviceGroup:
             return BEMA
         return (LERP_MANY if self.followers else LERP) + (self.seed is not None)
 
-    def lerp(self, sources: list, weight: torch.Tensor, step: torch.Tensor) -> None:
+    def write(self, values: list, weight, step, landed: bool = False) -> None:
+        """The lerp toward the walk's `values`, or (`landed`) toward the staging they landed in."""
+        sources = self.staging if landed else self.sources(values)
         if not weight.is_cpu and weight.device != self.device:
             weight = weight.to(self.device)  # a device weight for another device
         groups, kind = (self, *self.followers), self.kind
@@ -129,10 +131,6 @@ class DeviceGroup:
 
     def staged_copies(self, walk: list) -> list:
         return [(view, _part(walk[i], cut)) for view, (i, cut) in zip(self.staging, self.staged)]
-
-    def write(self, values: list, weight, step, landed: bool = False) -> None:
-        """The lerp toward the walk's `values`, or (`landed`) toward the staging they landed in."""
-        self.lerp(self.staging if landed else self.sources(values), weight, step)
 
 
 @dataclass
@@ -269,10 +267,6 @@ class UpdatePlan:
     @property
     def has_staging(self) -> bool:
         return any(g.staging for g in self.groups.values())
-
-    def staging_bytes(self) -> int:
-        views = [v for g in (*self.groups.values(), *self.copies.values()) for v in g.staging]
-        return sum(v.numel() * v.element_size() for v in views)
 
     def versions(self) -> list:
         """The version counter of one EMA tensor per write (it moves when that write happens)."""
