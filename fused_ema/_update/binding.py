@@ -104,7 +104,7 @@ class Binding:
             if names == plan.names and _C.walk_matches(walk, plan.refs):  # the same objects
                 plan.remember(model, walk, self.with_buffers)
                 return plan, None
-        if names is None:  # the plan's objects, holding other tensors: planned again
+        if names is None:  # a walk cache (the leader's, for a follower) vouched: planned again
             names = _C.tensor_walk(model, self.with_buffers, True)[1]
         tracked = self.tracked(model)
         table = self.table
@@ -135,7 +135,7 @@ class Binding:
                 "materialised (model.to_empty(...) and its initialisation)"
             )
         previous = (self.table, self.plan, self.module, self.model_ref)
-        previous_place = schedule.device
+        previous_place = schedule.step.device
         moves = []
         if self.policy.device is None:  # each EMA tensor follows its model tensor
             for e in table.entries:
@@ -156,7 +156,7 @@ class Binding:
         except BaseException:
             for tensor, before, _ in moves:
                 tensor.data = before
-            self.table.rebind(self.tracked(model))
+            self.table.rebind(tracked)
             raise
         self.table, self.plan, self.module = table, plan, module
         self.model_ref = weakref.ref(model)

@@ -164,7 +164,8 @@ def options_from_state(schedule) -> dict:
     return check_options(**{k: schedule[k] for k in OPTION_KEYS if k in schedule})
 
 
-def _config_values(options: dict) -> list[float]:
+def _config(options: dict, device) -> torch.Tensor:
+    """The options as the schedule op's float64 config tensor on `device`."""
     warmup = options["warmup"]
     gamma, power, kind = 0.0, 1.0, 0.0
     bema = [0.0] * len(BEMA_FIELDS)
@@ -176,7 +177,7 @@ def _config_values(options: dict) -> list[float]:
         kind, bema = float(BEMA_KINDS[warmup[1]]), list(warmup[2:])
     elif warmup is not None:
         (gamma, power), kind = warmup, 1.0
-    return [
+    values = [
         options["decay"],
         options["min_decay"],
         gamma,
@@ -187,6 +188,7 @@ def _config_values(options: dict) -> list[float]:
         float(EVERY_DECAYS.index(options["update_every_decay"])),
         *bema,
     ]
+    return torch.tensor(values, dtype=torch.float64).to(device)
 
 
 class Schedule:
@@ -204,13 +206,9 @@ class Schedule:
         # The current step's weight, what the fused kernel reads (no host sync): a view of out,
         # made again wherever out is replaced (place, a copy or unpickling).
         self.weight = self.out[:1]
-        self.config = torch.tensor(_config_values(options), dtype=torch.float64).to(device)
+        self.config = _config(options, device)
         without_grad(self._compute, False)
         self._dirty = False
-
-    @property
-    def device(self) -> torch.device:
-        return self.step.device
 
     def _compute(self, advance: bool) -> None:
         torch.ops.fused_ema.ema_schedule_(self.step, self.out, self.config, advance)
@@ -334,9 +332,7 @@ class Schedule:
         """What a load writes into these tensors, computed aside, as (name, value, target): the
         config of `options` (None: kept), the counter at `step` (None: kept) and that step's
         weight and decay."""
-        config = self.config
-        if options is not None:
-            config = torch.tensor(_config_values(options), dtype=torch.float64).to(config.device)
+        config = self.config if options is None else _config(options, self.config.device)
         counter = self.step.clone() if step is None else torch.full_like(self.step, step)
         out = torch.empty_like(self.out)
         without_grad(torch.ops.fused_ema.ema_schedule_, counter, out, config, False)
