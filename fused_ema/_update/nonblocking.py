@@ -71,11 +71,9 @@ class AsyncRunner:
         self._pending = self.started = None
 
     def wait(self) -> None:
-        """Waits for the job in flight; raises the error it ended with. Interrupted while
+        """Waits for the job in flight (busy); raises the error it ended with. Interrupted while
         waiting, the job stays in flight."""
-        job = self._pending
-        if job is not None:
-            error = job.wait()
-            self._pending = self.started = None
-            if error is not None:
-                raise error
+        error = self._pending.wait()
+        self._pending = self.started = None
+        if error is not None:
+            raise error
