@@ -56,7 +56,6 @@ class Bema(TrackSet):
     """
 
     FORMAT = "fused_ema.bema"
-    FORMAT_VERSION = 1
     JOINT = "bema"
 
     def __init__(

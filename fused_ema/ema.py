@@ -11,24 +11,24 @@ import weakref
 import torch
 from torch import nn
 
+from ._dist.shard import gather_full
 from ._model.swap import check_writable, copy_all
 from ._model.walk import unwrap_model
 from ._state.ema_state import EmaState, rounding_seed
 from ._state.options import resolve_options
-from ._state.placement import cuda_device, move, parse_to
+from ._state.placement import move, parse_to
 from ._state.stats import ema_stats
-from ._state.timm_attributes import TimmAttributes
 from ._update import compiled
 from ._update.attach import attach
 from ._update.binding import Binding
-from ._update.schedule import Schedule
+from ._update.schedule import DEFAULT_WARMUP, Schedule, check_options
 from ._update.updater import Updater
 from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
 
 
-class ModelEma(TimmAttributes, nn.Module):
+class ModelEma(nn.Module):
     """Exponential moving average of a model's parameters and buffers.
 
     The arguments up to ``exclude_buffers`` are timm ModelEmaV3's (1.0.31), in its order; the
@@ -111,7 +111,7 @@ class ModelEma(TimmAttributes, nn.Module):
         super().__init__()
         self.training = False  # the EMA module evaluates: eval mode until ema.train()
         names = (copy_names, ignore_names, param_or_buffer_names_no_ema, ignore_startswith_names)
-        options = resolve_options(
+        schedule, rounding, policy = resolve_options(
             warmup=(warmup, use_warmup, warmup_gamma, warmup_power),
             buffers=(buffers, exclude_buffers),
             schedule=(decay, min_decay, update_after_step, update_every, update_every_decay),
@@ -119,11 +119,10 @@ class ModelEma(TimmAttributes, nn.Module):
             policy=(device, dtype, names, shard),
             on_mismatch=on_mismatch,
         )
-        seed = rounding_seed(options.rounding)
         model = unwrap_model(model)
-        self._binding = Binding(self, model, options.policy, options.on_mismatch, seed)
-        self._schedule = Schedule(options.schedule, self._binding.schedule_device())
-        self._state = EmaState(self._binding, self._schedule, options.rounding)
+        self._binding = Binding(self, model, policy, on_mismatch, rounding_seed(rounding))
+        self._schedule = Schedule(schedule, self._binding.schedule_device())
+        self._state = EmaState(self._binding, self._schedule, rounding)
         self._init_transient()
         self._state.warn_precision()
 
@@ -182,6 +181,86 @@ class ModelEma(TimmAttributes, nn.Module):
     def names(self) -> list[str]:
         """Every tracked name, tied weights under each of their names."""
         return list(self._binding.table.by_name)  # in the entries' order
+
+    # ------------------------------------------------------------ timm ModelEmaV3's attributes
+    # Its constructor arguments, read from where ModelEma holds them; the schedule's can be set,
+    # checked like the constructor's, and apply from the next update.
+
+    def _set_option(self, key: str, value) -> None:
+        self._ready(f"{key} setter")
+        self._schedule.load(check_options(**{**self._schedule.options, key: value}), None)
+
+    @property
+    def decay(self) -> float:
+        """The configured per-step decay (the warmup ramps up to it). Settable, as on timm."""
+        return self._schedule.options["decay"]
+
+    @decay.setter
+    def decay(self, value) -> None:
+        self._set_option("decay", value)
+
+    @property
+    def min_decay(self) -> float:
+        """The warmup's lower bound of the decay. Settable, as on timm."""
+        return self._schedule.options["min_decay"]
+
+    @min_decay.setter
+    def min_decay(self, value) -> None:
+        self._set_option("min_decay", value)
+
+    @property
+    def update_after_step(self) -> int:
+        """Steps up to update_after_step + 1 copy the model. Settable, as on timm."""
+        return self._schedule.options["update_after_step"]
+
+    @update_after_step.setter
+    def update_after_step(self, value) -> None:
+        self._set_option("update_after_step", value)
+
+    @property
+    def use_warmup(self) -> bool:
+        """Whether the warmup is timm's (gamma, power) ramp (the other ramps read False)."""
+        return isinstance(self._warmup_pair(), tuple)
+
+    @property
+    def warmup_gamma(self) -> float:
+        """The (gamma, power) ramp's gamma; timm's default 1.0 under another warmup or none."""
+        return (self._warmup_pair() or DEFAULT_WARMUP)[0]
+
+    @property
+    def warmup_power(self) -> float:
+        """The (gamma, power) ramp's power; timm's default 2/3 under another warmup or none."""
+        return (self._warmup_pair() or DEFAULT_WARMUP)[1]
+
+    def _warmup_pair(self) -> tuple[float, float] | None:
+        warmup = self._schedule.options["warmup"]
+        plain = isinstance(warmup, tuple) and len(warmup) == 2 and isinstance(warmup[0], float)
+        return warmup if plain else None
+
+    @property
+    def exclude_buffers(self) -> bool:
+        """timm's spelling of buffers="copy"."""
+        return self._binding.policy.buffers == "copy"
+
+    @property
+    def foreach(self) -> bool:
+        """Always True: every update is one fused multi-tensor call per device."""
+        return True
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype= the EMA was built with (None: float32, float64 for float64 weights)."""
+        return self._binding.policy.dtype
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether bfloat16/float16 EMA tensors are rounded stochastically."""
+        return self._state.rounding["stochastic_rounding"]
+
+    @property
+    def stochastic_rounding_seed(self) -> int:
+        """The seed of the stochastic rounding's random bits."""
+        return self._state.rounding["stochastic_rounding_seed"]
 
     # ------------------------------------------------------------------ updating
 
@@ -260,7 +339,8 @@ class ModelEma(TimmAttributes, nn.Module):
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> ModelEma:
-        return self.to(cuda_device(device))
+        device = torch.cuda.current_device() if device is None else device
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else device)
 
     def cpu(self) -> ModelEma:
         return self.to("cpu")
@@ -387,7 +467,8 @@ class ModelEma(TimmAttributes, nn.Module):
         every rank must call this. With `rank`, only that rank keeps the result and the others get
         {}; rank=None keeps it everywhere. `cpu_offload` returns CPU tensors."""
         self._ready("full_state_dict")
-        return self._state.full_state_dict(rank, cpu_offload)
+        entries, replicated = self._binding.table.entries, self._binding.policy.shard is not None
+        return gather_full(entries, rank, cpu_offload, replicated)
 
     # ------------------------------------------------------------------ copies and pickling
 

@@ -36,16 +36,18 @@ def replica_cut(ema, src) -> tuple | None:
     (placement,) = ema.placements
     if not placement.is_shard() or placement.dim != chunk_dim(ema.shape):
         return None
-    dim, mesh = placement.dim, ema.device_mesh
-    start, _ = chunk(ema.shape[dim], mesh.size(), mesh.get_local_rank())
-    return dim, start, ema._local_tensor.shape[dim]
+    return own_rows(ema.shape, ema.device_mesh.size(), ema.device_mesh.get_local_rank())
 
 
-def chunk(size: int, world: int, rank: int) -> tuple[int, int]:
-    """(start, length) of `rank`'s part of `size` rows, as torch.chunk and DTensor cut them."""
-    rows = -(-size // world)
-    start = min(rank * rows, size)
-    return start, max(0, min(size, start + rows) - start)
+def own_rows(shape, world: int, rank: int) -> tuple[int, int, int]:
+    """(dim, start, length): the rows of a tensor of `shape` that `rank`'s chunk holds when
+    ModelEma(shard=...) cuts it into `world` chunks along chunk_dim, as torch.chunk and DTensor's
+    Shard cut it (compute_local_shape_and_global_offset would cost ~100x more, per tensor of
+    every plan made and structure checked)."""
+    dim = chunk_dim(shape)
+    rows = -(-shape[dim] // world)
+    start = min(rank * rows, shape[dim])
+    return dim, start, max(0, min(shape[dim], start + rows) - start)
 
 
 def same_layout(ema: torch.Tensor, t: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._ext.grad import without_grad
 from . import zero3
-from .dtensor import chunk, chunk_dim, is_dtensor, local
+from .dtensor import chunk_dim, is_dtensor, local, own_rows
 
 #: The bytes one bucket of a gather receives (all ranks' chunks together).
 BUCKET_BYTES = 64 << 20
@@ -63,12 +63,6 @@ def layout(shapes, world: int, itemsize: int) -> tuple[list, int]:
     return slots, total
 
 
-def _rows(t: torch.Tensor, world: int, rank: int) -> tuple[int, torch.Tensor]:
-    """(d, `rank`'s chunk of `t` along d): the rows of it that rank holds, a view."""
-    d = chunk_dim(t.shape)
-    return d, t.narrow(d, *chunk(t.shape[d], world, rank))
-
-
 def _chunked(own: torch.Tensor, mesh, placements, shape) -> torch.Tensor:
     """`own` as this rank's chunk of a DTensor of `shape` (contiguous strides)."""
     from torch.distributed.tensor import DTensor
@@ -110,8 +104,8 @@ class ShardSpec:
         where dtype and device match, for pack() copies every chunk into its flat buffer."""
         from torch.distributed.tensor import Shard
 
-        d, part = _rows(t, self.world, self.rank)
-        own = part.to(device=device, dtype=dtype)
+        d, start, length = own_rows(t.shape, self.world, self.rank)
+        own = t.narrow(d, start, length).to(device=device, dtype=dtype)
         return _chunked(own, self.mesh(own.device), [Shard(d)], t.shape)
 
     def pack(self, entries: list) -> list:
@@ -216,12 +210,13 @@ def _differences(mine: list, other: list) -> list:
 # ---------------------------------------------------------------------- gathering
 
 
-def gather_chunks(items: list, group, world: int) -> None:
-    """All-gathers tensors split as ModelEma(shard=...) splits them, writing each whole tensor
-    into its target. `items`: [(this rank's chunk, full shape, target or None)], in the same order
-    on every rank (a rank with None targets takes part without keeping anything). Per dtype and
-    device of the chunks, they are laid out end to end, each with its longest chunk's capacity,
-    and gathered in buckets of at most BUCKET_BYTES."""
+def gather_chunks(items: list, mesh) -> None:
+    """All-gathers tensors split as ModelEma(shard=...) splits them over the 1-D `mesh`, writing
+    each whole tensor into its target. `items`: [(this rank's chunk, full shape, target or None)],
+    in the same order on every rank (a rank with None targets takes part without keeping
+    anything). Per dtype and device of the chunks, they are laid out end to end, each with its
+    longest chunk's capacity, and gathered in buckets of at most BUCKET_BYTES."""
+    group, world = mesh.get_group(), mesh.size()
     kinds: dict = {}
     for item in items:
         kinds.setdefault((item[0].dtype, item[0].device), []).append(item)
@@ -272,24 +267,8 @@ def gather_into(pairs) -> None:
     """Writes the full value of every sharded EMA tensor into its target [(ema, target or
     None)]: a collective, in the same order on every rank."""
     if pairs:
-        mesh = pairs[0][0].device_mesh
         items = [(local(ema), ema.shape, target) for ema, target in pairs]
-        gather_chunks(items, mesh.get_group(), mesh.size())
-
-
-class SavedSlices:
-    """Each rank's own chunk of model tensors (1/world of them), so that gathering them puts the
-    whole tensors back (restore())."""
-
-    def __init__(self, targets, group, world: int, rank: int):
-        self.group, self.world = group, world
-        self.items = [
-            (_rows(t, world, rank)[1].clone(memory_format=torch.contiguous_format), t.shape, t)
-            for t in targets
-        ]
-
-    def restore(self) -> None:
-        gather_chunks(self.items, self.group, self.world)
+        gather_chunks(items, pairs[0][0].device_mesh)
 
 
 def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> dict:

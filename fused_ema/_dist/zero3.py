@@ -72,7 +72,7 @@ def release(params) -> None:
     """Frees what has been gathered of ZeRO-3 parameters (a forward may keep it for reuse, and a
     persistent parameter stays whole), so that the next forward gathers their partitions again."""
     for p in params:
-        if is_zero3(p) and p.ds_status.name == "AVAILABLE":
+        if p.ds_status.name == "AVAILABLE":
             p.partition()
 
 

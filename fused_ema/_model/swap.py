@@ -12,7 +12,7 @@ import torch
 
 from .._dist import zero3
 from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut, same_memory, sharding
-from .._dist.shard import SavedSlices, gather_into
+from .._dist.shard import gather_chunks, gather_into
 from .._ext.grad import without_grad
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
@@ -38,7 +38,7 @@ class Swap:
 
     def __init__(self, pairs):
         self._gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
-        self._slices = None  # the model's own chunks, while the EMA is gathered into it
+        self._slices = None  # this rank's chunks of the model's tensors, while the EMA is in
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]
         self._zero3 = [t for _, _, t in pairs if zero3.is_zero3(t)]  # released at both ends
         # A ZeRO-3 parameter exchanges its valid partition, which a forward gathers once released.
@@ -55,10 +55,11 @@ class Swap:
 
     def swap_in(self) -> None:
         if self._gathered and self._slices is None:
-            mesh = self._gathered[0][0].device_mesh
-            targets = [t for _, t in self._gathered]
-            group, size, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-            self._slices = SavedSlices(targets, group, size, rank)  # swap_out puts them back
+            contiguous = torch.contiguous_format
+            self._slices = [  # swap_out gathers them back into the model's tensors
+                (t.narrow(*replica_cut(e, t)).clone(memory_format=contiguous), t.shape, t)
+                for e, t in self._gathered
+            ]
             without_grad(gather_into, self._gathered)
         zero3.release(self._zero3)  # a forward then gathers the partitions holding the EMA
         _swap_values(self._targets, self._partners, self._scratch, self._state, 1)
@@ -68,7 +69,7 @@ class Swap:
         _swap_values(self._targets[::-1], self._partners[::-1], self._scratch, self._state, 0)
         zero3.release(self._zero3)  # what a forward gathered of the EMA inside the block
         if self._slices is not None:
-            without_grad(self._slices.restore)
+            without_grad(gather_chunks, self._slices, self._gathered[0][0].device_mesh)
             self._slices = None
 
 

@@ -1,2 +1,2 @@
-"""The EMA as a whole: its constructor options, checkpoints (its own state dict, inside a parent's,
-full_state_dict), moving it to another device or dtype (ema.to()) and its health (ema.stats())."""
+"""The EMA as a whole: its constructor options, checkpoints (its own state dict, inside a
+parent's), moving it to another device or dtype (ema.to()) and its health (ema.stats())."""

@@ -1,8 +1,8 @@
 """ModelEma's checkpoints and the stochastic-rounding setting they carry: state_dict() (its own,
 or flat keys in a parent module's, the settings in its _metadata: docs/checkpoints.md),
-load_state_dict() (any format checkpoint.py reads, a file, a parent's state dict),
-full_state_dict(), and the warning when that setting loses updates. A load is checked and
-converted whole before its first write, so a failed one changes nothing."""
+load_state_dict() (any format checkpoint.py reads, a file, a parent's state dict) and the warning
+when that setting loses updates. A load is checked and converted whole before its first write, so
+a failed one changes nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from collections import OrderedDict
 
 import torch
 
-from .._dist.shard import gather_full
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._update.schedule import rounding_from_state
 from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_source
@@ -75,10 +74,6 @@ class EmaState:
             settings = {k: own[k] for k in _NESTED_SETTINGS}
             destination._metadata[prefix[:-1]] = {"version": version, META_KEY: settings}
         return destination
-
-    def full_state_dict(self, rank: int | None, cpu_offload: bool) -> dict:
-        shard = self.binding.policy.shard is not None
-        return gather_full(self.binding.table.entries, rank, cpu_offload, shard)
 
     # ------------------------------------------------------------------ loading
 

@@ -4,8 +4,6 @@ buffers=), then each option validated in turn. Returns what the parts are made f
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .._dist.shard import resolve
@@ -17,16 +15,9 @@ BUFFER_MODES = ("average", "copy", "ignore")
 MISMATCH_MODES = ("error", "resync")
 
 
-class Options(NamedTuple):
-    schedule: dict  # the Schedule's options
-    rounding: dict  # stochastic_rounding and stochastic_rounding_seed
-    policy: EntryPolicy
-    on_mismatch: str
-
-
-def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: str) -> Options:
-    """ModelEma's arguments, grouped by what they configure, as checked Options. Raises the
-    first problem found, naming the argument.
+def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: str) -> tuple:
+    """ModelEma's arguments, grouped by what they configure, checked: (the Schedule's options,
+    the rounding setting, the EntryPolicy). Raises the first problem found, naming the argument.
 
     warmup: (warmup, use_warmup, warmup_gamma, warmup_power), fused_ema's and timm V3's spellings
     buffers: (buffers, exclude_buffers), likewise
@@ -65,4 +56,4 @@ def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: st
     filters = name_filters(*names)
     where = torch.device(device) if device is not None else None
     entry_policy = EntryPolicy(where, dtype, buffers, *filters, resolve(shard))
-    return Options(options, checked_rounding, entry_policy, on_mismatch)
+    return options, checked_rounding, entry_policy

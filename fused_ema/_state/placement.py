@@ -25,15 +25,6 @@ def parse_to(args, kwargs):
     return device, dtype, non_blocking
 
 
-def cuda_device(device) -> torch.device:
-    """ema.cuda()'s argument (None: the current CUDA device, or an index) as a torch.device."""
-    if device is None:
-        device = torch.cuda.current_device()
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    return device
-
-
 def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> None:
     """Moves every EMA tensor to `device` and every averaged one to `dtype` (None: unchanged),
     with the step counter and ema.module; all or nothing."""
