@@ -7,8 +7,8 @@
 #include <cstdint>
 
 // X(PairKind, ema c10::ScalarType, src c10::ScalarType, ema type tag, src type tag). A tag names
-// a type in fused_ema::tag that each backend maps to its own C++ type (c10::BFloat16 on the CPU,
-// __nv_bfloat16 on CUDA, ...).
+// a member of BackendTypes, each backend's own C++ type (c10::BFloat16 on the CPU, __nv_bfloat16
+// on CUDA, ...).
 #define FUSED_EMA_FOR_EACH_DTYPE_PAIR(X)       \
   X(kF32F32, Float, Float, f32, f32)           \
   X(kF32BF16, Float, BFloat16, f32, bf16)      \
@@ -21,12 +21,14 @@
 
 namespace fused_ema {
 
-namespace tag {
-struct f32 {};
-struct f64 {};
-struct bf16 {};
-struct f16 {};
-}  // namespace tag
+// A backend's C++ types by the list's type tags: Types::bf16 is its bfloat16.
+template <typename F32, typename F64, typename BF16, typename F16>
+struct BackendTypes {
+  using f32 = F32;
+  using f64 = F64;
+  using bf16 = BF16;
+  using f16 = F16;
+};
 
 #define FUSED_EMA_PAIR_KIND(kind, ...) kind,
 enum class PairKind : uint8_t { FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_PAIR_KIND) };

@@ -95,26 +95,7 @@ void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, double we
 namespace fused_ema::cpu {
 inline namespace CPU_CAPABILITY {
 
-template <typename Tag>
-struct CpuType;
-template <>
-struct CpuType<tag::f32> {
-  using type = float;
-};
-template <>
-struct CpuType<tag::f64> {
-  using type = double;
-};
-template <>
-struct CpuType<tag::bf16> {
-  using type = c10::BFloat16;
-};
-template <>
-struct CpuType<tag::f16> {
-  using type = c10::Half;
-};
-template <typename Tag>
-using cpu_t = typename CpuType<Tag>::type;
+using CpuTypes = BackendTypes<float, double, c10::BFloat16, c10::Half>;
 
 struct SpanEntry {
   PairKind kind;
@@ -123,10 +104,10 @@ struct SpanEntry {
   BemaSpanFn bema;
 };
 
-#define FUSED_EMA_SPAN_ENTRY(kind, ema, src, ema_tag, src_tag)           \
-  {PairKind::kind, &lerp_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>, \
-   &lerp_stochastic_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>,      \
-   &bema_span<cpu_t<tag::ema_tag>, cpu_t<tag::src_tag>>},
+#define FUSED_EMA_SPAN_ENTRY(kind, ema, src, ema_tag, src_tag)       \
+  {PairKind::kind, &lerp_span<CpuTypes::ema_tag, CpuTypes::src_tag>, \
+   &lerp_stochastic_span<CpuTypes::ema_tag, CpuTypes::src_tag>,      \
+   &bema_span<CpuTypes::ema_tag, CpuTypes::src_tag>},
 constexpr SpanEntry kSpanEntries[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SPAN_ENTRY)};
 #undef FUSED_EMA_SPAN_ENTRY
 static_assert(in_pair_kind_order(kSpanEntries), "span kernels must follow PairKind order");

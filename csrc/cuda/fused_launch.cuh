@@ -19,12 +19,8 @@
 
 namespace fused_ema::cuda {
 
-// The CUDA type of a dtype-pair type tag (dtype_pair_list.h: f32, f64, bf16, f16).
-template <typename Tag>
-using cuda_t = std::conditional_t<
-    std::is_same_v<Tag, tag::f32>, float,
-    std::conditional_t<std::is_same_v<Tag, tag::f64>, double,
-                       std::conditional_t<std::is_same_v<Tag, tag::bf16>, __nv_bfloat16, __half>>>;
+// The CUDA types of the dtype-pair list's type tags (dtype_pair_list.h).
+using CudaTypes = BackendTypes<float, double, __nv_bfloat16, __half>;
 
 // The groups of a launch round: each dtype pair's tensors.
 using PairGroups = std::array<std::vector<TensorRef>, kNumPairKinds>;
@@ -39,9 +35,9 @@ cudaError_t for_each_group(const PairGroups& groups, const Fn& fn) {
     }
     cudaError_t err = cudaErrorInvalidValue;
     switch (kind) {
-#define FUSED_EMA_DISPATCH(kind_, ema, src, ema_tag, src_tag)       \
-  case static_cast<size_t>(PairKind::kind_):                        \
-    err = fn(cuda_t<tag::ema_tag>{}, cuda_t<tag::src_tag>{}, kind); \
+#define FUSED_EMA_DISPATCH(kind_, ema, src, ema_tag, src_tag)   \
+  case static_cast<size_t>(PairKind::kind_):                    \
+    err = fn(CudaTypes::ema_tag{}, CudaTypes::src_tag{}, kind); \
     break;
       FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_DISPATCH)
 #undef FUSED_EMA_DISPATCH
