@@ -7,10 +7,12 @@
 #include <immintrin.h>
 #endif
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "../opmath.h"
 #include "span_kernels.h"
@@ -86,13 +88,16 @@ inline void stream2(float* p, const Vectorized<float>& a, const Vectorized<float
 // (an explicit fused multiply-add, so no compiler contraction can change it), then rounded to the
 // EMA dtype.
 //
-// kEma, kTheta, kOut: which lists are written (weight not 0). ema is read for out even when it
-// keeps its values, theta0 likewise.
-template <typename E, typename S, bool kEma, bool kTheta, bool kOut>
+// kWrites: which lists are written (weight not 0), bit 0 ema, 1 theta0, 2 out. ema is read for
+// out even when it keeps its values, theta0 likewise.
+template <typename E, typename S, int kWrites>
 void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
                 LerpCoeff<typename OpMath<E>::type> beta, LerpCoeff<typename OpMath<E>::type> w0,
                 typename OpMath<E>::type alpha) {
   using opmath_t = typename OpMath<E>::type;
+  constexpr bool kEma = (kWrites & 1) != 0;
+  constexpr bool kTheta = (kWrites & 2) != 0;
+  constexpr bool kOut = (kWrites & 4) != 0;
   int64_t i = 0;
 #ifdef FUSED_EMA_VECTORIZED
   using Vec = Vectorized<opmath_t>;
@@ -162,6 +167,12 @@ void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
   }
 }
 
+// bema_range of every kWrites but 0 (which writes nothing), indexed by kWrites - 1.
+template <typename E, typename S, int... kIndex>
+constexpr auto bema_ranges(std::integer_sequence<int, kIndex...>) {
+  return std::array{&bema_range<E, S, kIndex + 1>...};
+}
+
 // A weight that rounds to 0 in opmath leaves its list untouched.
 template <typename E, typename S>
 void bema_span(void* ema, void* theta0, void* out, const void* src, int64_t begin, int64_t end,
@@ -177,24 +188,10 @@ void bema_span(void* ema, void* theta0, void* out, const void* src, int64_t begi
   const int64_t n = end - begin;
   const LerpCoeff<opmath_t> cb = lerp_coeff(beta);
   const LerpCoeff<opmath_t> c0 = lerp_coeff(w0);
-  const int mask = (beta != 0 ? 1 : 0) | (w0 != 0 ? 2 : 0) | (alpha != 0 ? 4 : 0);
-  switch (mask) {
-    case 1:
-      return bema_range<E, S, true, false, false>(e, t, o, s, n, cb, c0, alpha);
-    case 2:
-      return bema_range<E, S, false, true, false>(e, t, o, s, n, cb, c0, alpha);
-    case 3:
-      return bema_range<E, S, true, true, false>(e, t, o, s, n, cb, c0, alpha);
-    case 4:
-      return bema_range<E, S, false, false, true>(e, t, o, s, n, cb, c0, alpha);
-    case 5:
-      return bema_range<E, S, true, false, true>(e, t, o, s, n, cb, c0, alpha);
-    case 6:
-      return bema_range<E, S, false, true, true>(e, t, o, s, n, cb, c0, alpha);
-    case 7:
-      return bema_range<E, S, true, true, true>(e, t, o, s, n, cb, c0, alpha);
-    default:
-      return;
+  const int writes = (beta != 0 ? 1 : 0) | (w0 != 0 ? 2 : 0) | (alpha != 0 ? 4 : 0);
+  static constexpr auto kRanges = bema_ranges<E, S>(std::make_integer_sequence<int, 7>());
+  if (writes != 0) {
+    kRanges[writes - 1](e, t, o, s, n, cb, c0, alpha);
   }
 }
 
