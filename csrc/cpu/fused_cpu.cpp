@@ -86,17 +86,6 @@ void for_each_item_span(size_t count, const Numel& numel, int64_t grain, size_t 
   }
 }
 
-// Calls span(pair, begin, end) over every pair's elements: one flat range that a single
-// at::parallel_for splits evenly.
-template <typename Span>
-void for_each_span(const std::vector<FlatPair>& pairs, const Span& span) {
-  const bool far = pairs.size() >= kPrefetchFrom;
-  for_each_item_span(
-      pairs.size(), [&](size_t p) { return pairs[p].numel; }, kGrainSize, kPrefetchPairs,
-      [&](size_t p) { prefetch_pair(pairs[p], far); },
-      [&](size_t p, int64_t begin, int64_t end) { span(pairs[p], begin, end); });
-}
-
 // lerp_many_: the bytes of a source that every track updates from before the next block: small
 // enough to stay in L1 (32-48 KB) while each track streams its own EMA block through (4 KB of
 // src; at most 8 KB of EMA, a float32 EMA of a 16-bit src: 12 KB touched between two reads of a
@@ -206,9 +195,12 @@ void run_fused(const DevicePlan& plan, const FusedCall& call) {
   if (call.bema()) {
     run_bema(bema_items(plan, call.tensors), kernels, weights);
   } else if (call.weights.tracks == 1) {
-    for_each_span(plan.pairs, [&](const FlatPair& pair, int64_t begin, int64_t end) {
-      lerp(pair, 0, begin, end);
-    });
+    const std::vector<FlatPair>& pairs = plan.pairs;
+    const bool far = pairs.size() >= kPrefetchFrom;
+    for_each_item_span(
+        pairs.size(), [&](size_t p) { return pairs[p].numel; }, kGrainSize, kPrefetchPairs,
+        [&](size_t p) { prefetch_pair(pairs[p], far); },
+        [&](size_t p, int64_t begin, int64_t end) { lerp(pairs[p], 0, begin, end); });
   } else {
     for_each_track_span(plan, call.tensors, lerp);  // lerp_many_: block by block
   }
