@@ -109,7 +109,7 @@ void PreparedUpdate::add_copies(std::vector<at::Tensor> dst, std::vector<at::Ten
 
 bool PreparedUpdate::unchanged() const {
   const size_t n = watched_.size();
-  if (!reusable_ || states_.size() != n) {
+  if (!reusable_) {  // then plan() has recorded states_ of every watched_ tensor
     return false;
   }
   // Each tensor's check waits on two cache misses (its TensorImpl, then its storage).
