@@ -14,42 +14,27 @@
 namespace fused_ema {
 namespace {
 
-// Collects the items (owned) and folds every parameter, buffer and child name into a hash in
+// Collects the items into a list and folds every parameter, buffer and child name into a hash in
 // walk order: renaming a module, which leaves the tensors and their order as they were, still
 // changes it.
 class ListVisitor {
  public:
-  ListVisitor() { items_.reserve(256); }
-  ~ListVisitor() {
-    for (PyObject* item : items_) {
-      Py_DECREF(item);
-    }
-  }
-  ListVisitor(const ListVisitor&) = delete;
-  ListVisitor& operator=(const ListVisitor&) = delete;
+  bool ready() const { return list_.get() != nullptr; }
 
   bool module(PyObject* /*module*/, const ModuleDicts& /*dicts*/, size_t /*tag*/) {
     names_hash_ = (names_hash_ + 1) * kPrime;  // a module boundary
     return true;
   }
   bool item(PyObject* name, PyObject* value, bool /*is_param*/) {
-    Py_INCREF(value);
-    items_.push_back(value);
-    return mix(name);
+    return PyList_Append(list_.get(), value) == 0 && mix(name);
   }
   bool child(PyObject* name, PyObject* /*child*/, size_t& /*tag*/) { return mix(name); }
 
   uint64_t names_hash() const { return names_hash_; }
 
-  // Hands the items over to a new list.
-  PyObject* to_list() {
-    PyObject* list = PyList_New(static_cast<Py_ssize_t>(items_.size()));
-    if (list != nullptr) {
-      for (size_t i = 0; i < items_.size(); ++i) {
-        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), items_[i]);
-      }
-      items_.clear();
-    }
+  PyObject* release() {
+    PyObject* list = list_.get();
+    Py_INCREF(list);
     return list;
   }
 
@@ -65,7 +50,7 @@ class ListVisitor {
     return true;
   }
 
-  std::vector<PyObject*> items_;
+  OwnedRef list_ = OwnedRef::steal(PyList_New(0));
   uint64_t names_hash_ = 0xcbf29ce484222325ull;
 };
 
@@ -201,16 +186,15 @@ PyObject* python_tensor_walk(PyObject* /*module*/, PyObject* args, PyObject* kwa
       return nullptr;
     }
     ListVisitor walk;
-    if (!walk_modules(model, with_buffers != 0, walk)) {
+    if (!walk.ready() || !walk_modules(model, with_buffers != 0, walk)) {
       return nullptr;
     }
-    const uint64_t hash = walk.names_hash();
-    PyObject* list = walk.to_list();
-    if (list == nullptr || !names) {
+    PyObject* list = walk.release();
+    if (!names) {
       return list;
     }
     // With names=True: (list, hash of every name in walk order), for a cheap rename check.
-    return Py_BuildValue("(NK)", list, static_cast<unsigned long long>(hash));
+    return Py_BuildValue("(NK)", list, static_cast<unsigned long long>(walk.names_hash()));
   });
 }
 
