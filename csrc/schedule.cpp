@@ -80,15 +80,7 @@ void ema_schedule_cpu(const at::Tensor& step, const at::Tensor& out, const at::T
   const int bad = first_bad_field(fields);  // a ValueError names the first bad field
   TORCH_CHECK_VALUE(bad == kNumConfigFields, kOp, "config: ", kFieldRules[bad], ", got ",
                     fields[bad]);
-  const Schedule sc = schedule_from_config(fields);
-  int64_t* t = step.mutable_data_ptr<int64_t>();
-  if (advance) {
-    *t = next_step(*t);
-  }
-  const ScheduledWeight w = scheduled_weight(sc, *t);
-  double* o = out.mutable_data_ptr<double>();
-  o[0] = w.weight;
-  o[1] = w.decay;
+  schedule_step(step.mutable_data_ptr<int64_t>(), out.mutable_data_ptr<double>(), fields, advance);
 }
 
 [[maybe_unused]] const bool kRegistered =

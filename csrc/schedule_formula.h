@@ -213,4 +213,23 @@ FUSED_EMA_HOST_DEVICE inline ScheduledWeight scheduled_weight(const Schedule& sc
   return {1.0 - kept, decay};
 }
 
+// ema_schedule_'s work, on the host (schedule.cpp) and in the CUDA kernel's one thread
+// (cuda/schedule_cuda.cu): advance the counter, then write the weight and decay of its step. The
+// device cannot raise: an invalid config writes weight 0 and decay NaN (the CPU kernel refuses it
+// first).
+FUSED_EMA_HOST_DEVICE inline void schedule_step(int64_t* step, double* out, const double* config,
+                                                bool advance) {
+  if (advance) {
+    *step = next_step(*step);
+  }
+  if (first_bad_field(config) != kNumConfigFields) {
+    out[0] = 0.0;
+    out[1] = NAN;
+    return;
+  }
+  const ScheduledWeight w = scheduled_weight(schedule_from_config(config), *step);
+  out[0] = w.weight;
+  out[1] = w.decay;
+}
+
 }  // namespace fused_ema

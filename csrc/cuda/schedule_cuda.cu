@@ -8,7 +8,6 @@
 #include <torch/library.h>
 
 #include "../schedule.h"
-#include "schedule_step.cuh"
 
 namespace fused_ema::cuda {
 namespace {

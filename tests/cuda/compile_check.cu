@@ -30,10 +30,10 @@ template cudaError_t fc::launch_bema_call<Item, fc::StreamLaunch>(const Item*, s
                                                                   const fc::CallWeights&,
                                                                   const fc::StreamLaunch&);
 
-// The schedule kernel's body is shared by host and device (cuda/schedule_step.cuh); the device
+// The schedule kernel's body is shared by host and device (schedule_formula.h); the device
 // reads its config from memory, as csrc/cuda/schedule_cuda.cu does.
-#include "cuda/schedule_step.cuh"
+#include "schedule_formula.h"
 
 __global__ void schedule_check(int64_t* step, double* out, const double* config, bool advance) {
-  fc::schedule_step(step, out, config, advance);
+  fused_ema::schedule_step(step, out, config, advance);
 }

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "cuda/fused_launch.cuh"
-#include "cuda/schedule_step.cuh"
 #include "dtype_pairs.h"
 #include "emulated_launch.h"
 #include "fused_op.h"
+#include "schedule_formula.h"
 
 namespace fused_ema::cuda::emulation {
 namespace {
