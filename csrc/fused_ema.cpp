@@ -33,7 +33,7 @@ PyObject* python_walk_matches(PyObject* module, PyObject* const* args, Py_ssize_
 // python_walk_cache.cpp
 PyObject* python_walk_cache(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_walk_unchanged(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
-// prepared_update.cpp
+// prepared_handles.cpp
 PyObject* python_run_prepared(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
 PyObject* python_prepared_free(PyObject* module, PyObject* handle);
 PyObject* python_prepared_runs(PyObject* module, PyObject* handle);
