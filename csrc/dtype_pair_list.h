@@ -3,7 +3,6 @@
 // headers, so that plain nvcc can compile the CUDA device code that includes it.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 // X(PairKind, ema c10::ScalarType, src c10::ScalarType, ema type tag, src type tag). A tag names
@@ -30,6 +29,7 @@ struct BackendTypes {
   using f16 = F16;
 };
 
+// Tables derived from the list follow PairKind's order by construction, so a kind indexes them.
 #define FUSED_EMA_PAIR_KIND(kind, ...) kind,
 enum class PairKind : uint8_t { FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_PAIR_KIND) };
 #undef FUSED_EMA_PAIR_KIND
@@ -37,20 +37,4 @@ enum class PairKind : uint8_t { FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_PAIR_KIN
 #define FUSED_EMA_PAIR_COUNT(...) +1
 constexpr int kNumPairKinds = 0 FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_PAIR_COUNT);
 #undef FUSED_EMA_PAIR_COUNT
-
-// Tables derived from the list hold each entry's `kind`: true if there is one entry per PairKind,
-// in PairKind order (so that a table can be indexed by kind).
-template <typename Entry, size_t N>
-constexpr bool in_pair_kind_order(const Entry (&table)[N]) {
-  if (N != static_cast<size_t>(kNumPairKinds)) {
-    return false;
-  }
-  for (size_t i = 0; i < N; ++i) {
-    if (static_cast<size_t>(table[i].kind) != i) {
-      return false;
-    }
-  }
-  return true;
-}
-
 }  // namespace fused_ema

@@ -167,8 +167,8 @@ void run_bema(const std::vector<BemaItem>& items, const SpanKernels& kernels,
       },
       [&](size_t p, int64_t begin, int64_t end) {
         const BemaItem& item = items[p];
-        kernels.bema[static_cast<int>(item.kind)](item.ema, item.theta0, item.out, item.src, begin,
-                                                  end, weights);
+        kernels.pair[static_cast<int>(item.kind)].bema(item.ema, item.theta0, item.out, item.src,
+                                                       begin, end, weights);
       });
 }
 
@@ -184,13 +184,13 @@ void run_fused(const DevicePlan& plan, const FusedCall& call) {
   const auto lerp = [&](const FlatPair& pair, uint32_t track, int64_t begin, int64_t end) {
     const int kind = static_cast<int>(pair.kind);
     if (!call.stochastic()) {
-      kernels.fn[kind](pair.ema, pair.src, begin, end, weights[track]);
+      kernels.pair[kind].fn(pair.ema, pair.src, begin, end, weights[track]);
       return;
     }
     const SrStream stream{static_cast<uint64_t>(r.seeds[track]), r.step,
                           static_cast<uint64_t>(r.offsets[pair.index - track * tensors]),
                           static_cast<uint32_t>(r.keys[pair.index])};
-    kernels.sr[kind](pair.ema, pair.src, begin, end, weights[track], stream);
+    kernels.pair[kind].sr(pair.ema, pair.src, begin, end, weights[track], stream);
   };
   if (call.bema()) {
     run_bema(bema_items(plan, call.tensors), kernels, weights);

@@ -97,30 +97,14 @@ inline namespace CPU_CAPABILITY {
 
 using CpuTypes = BackendTypes<float, double, c10::BFloat16, c10::Half>;
 
-struct SpanEntry {
-  PairKind kind;
-  SpanFn fn;
-  SrSpanFn sr;
-  BemaSpanFn bema;
-};
-
-#define FUSED_EMA_SPAN_ENTRY(kind, ema, src, ema_tag, src_tag)       \
-  {PairKind::kind, &lerp_span<CpuTypes::ema_tag, CpuTypes::src_tag>, \
-   &lerp_stochastic_span<CpuTypes::ema_tag, CpuTypes::src_tag>,      \
+#define FUSED_EMA_SPAN_ENTRY(kind, ema, src, ema_tag, src_tag)  \
+  {&lerp_span<CpuTypes::ema_tag, CpuTypes::src_tag>,            \
+   &lerp_stochastic_span<CpuTypes::ema_tag, CpuTypes::src_tag>, \
    &bema_span<CpuTypes::ema_tag, CpuTypes::src_tag>},
-constexpr SpanEntry kSpanEntries[] = {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SPAN_ENTRY)};
-#undef FUSED_EMA_SPAN_ENTRY
-static_assert(in_pair_kind_order(kSpanEntries), "span kernels must follow PairKind order");
-
 constexpr SpanKernels make_span_kernels(const char* isa) {
-  SpanKernels kernels{isa, {}, {}, {}};
-  for (int k = 0; k < kNumPairKinds; ++k) {
-    kernels.fn[k] = kSpanEntries[k].fn;
-    kernels.sr[k] = kSpanEntries[k].sr;
-    kernels.bema[k] = kSpanEntries[k].bema;
-  }
-  return kernels;
+  return {isa, {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SPAN_ENTRY)}};
 }
+#undef FUSED_EMA_SPAN_ENTRY
 
 }  // namespace CPU_CAPABILITY
 }  // namespace fused_ema::cpu

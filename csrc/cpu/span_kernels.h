@@ -29,11 +29,16 @@ using SrSpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end
 using BemaSpanFn = void (*)(void* ema, void* theta0, void* out, const void* src, int64_t begin,
                             int64_t end, const double* weights);
 
+// The kernels of one dtype pair.
+struct PairKernels {
+  SpanFn fn;
+  SrSpanFn sr;
+  BemaSpanFn bema;
+};
+
 struct SpanKernels {
   const char* isa;
-  SpanFn fn[kNumPairKinds];        // indexed by PairKind
-  SrSpanFn sr[kNumPairKinds];      // indexed by PairKind
-  BemaSpanFn bema[kNumPairKinds];  // indexed by PairKind
+  PairKernels pair[kNumPairKinds];  // indexed by PairKind
 };
 
 // Constant-initialised, so reading them runs no code compiled for another instruction set.
