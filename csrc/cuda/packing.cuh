@@ -42,16 +42,11 @@ int aligned_head(const TensorRef& ref) {
 }
 
 template <int kPack>
-FUSED_EMA_HOST_DEVICE inline int64_t packs_in_body(int64_t numel, int head) {
-  return (numel - head) / kPack;
-}
-
-template <int kPack>
 int64_t blocks_for(int64_t numel, int head) {
   if (head < 0) {
     return ceil_div(numel, kChunkElems);
   }
-  const int64_t chunks = ceil_div(packs_in_body<kPack>(numel, head), kChunkElems / kPack);
+  const int64_t chunks = ceil_div((numel - head) / kPack, kChunkElems / kPack);
   return chunks > 0 ? chunks : 1;
 }
 
@@ -87,7 +82,7 @@ FUSED_EMA_HOST_DEVICE inline BlockWork block_work(const Meta& meta, int32_t bloc
     w.end = min64(n, w.begin + kChunkElems);
     return w;
   }
-  const int64_t packs = packs_in_body<kPack>(n, w.head);
+  const int64_t packs = (n - w.head) / kPack;
   constexpr int64_t kChunkPacks = kChunkElems / kPack;
   w.begin = chunk * kChunkPacks;
   w.end = min64(packs, w.begin + kChunkPacks);
