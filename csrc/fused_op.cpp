@@ -64,13 +64,6 @@ std::string weight_name(FusedKind kind, size_t k) {
   return kind == FusedKind::kBema ? name + " (" + kBemaWeights[k] + ")" : name;
 }
 
-// A key in messages: keys[i] of lerp_stochastic_, keys[k][i] of lerp_many_stochastic_.
-std::string key_name(bool one, size_t index, size_t tensors) {
-  return one ? "keys[" + std::to_string(index) + "]"
-             : "keys[" + std::to_string(index / tensors) + "][" + std::to_string(index % tensors) +
-                   "]";
-}
-
 // A weight known on the host: finite, and within float32's range.
 FusedWeights host_weights(FusedKind kind, std::vector<double> values) {
   for (size_t k = 0; k < values.size(); ++k) {
@@ -126,8 +119,11 @@ void check_rounding(const FusedCall& call, TensorRefs emas, TensorRefs src) {
   TORCH_CHECK_VALUE(r.offsets.size() == tensors, op, "offsets has ", r.offsets.size(),
                     " entries but ", one ? "ema" : "src", " has ", tensors, " tensors");
   for (size_t j = 0; j < r.keys.size(); ++j) {
-    TORCH_CHECK_VALUE(r.keys[j] >= 0 && r.keys[j] <= kMaxKey, op, key_name(one, j, tensors), " is ",
-                      r.keys[j], "; keys are 32-bit: 0 <= key <= ", kMaxKey);
+    // keys[i] of lerp_stochastic_, keys[k][i] of lerp_many_stochastic_
+    TORCH_CHECK_VALUE(r.keys[j] >= 0 && r.keys[j] <= kMaxKey, op, "keys",
+                      one ? "" : "[" + std::to_string(j / tensors) + "]", "[",
+                      one ? j : j % tensors, "] is ", r.keys[j],
+                      "; keys are 32-bit: 0 <= key <= ", kMaxKey);
   }
   // lerp_stochastic_ names each tensor by its ema, lerp_many_stochastic_ by its (shared) src.
   const TensorRefs named = one ? emas : src;
@@ -145,6 +141,7 @@ void check_rounding(const FusedCall& call, TensorRefs emas, TensorRefs src) {
 // The lists' lengths against the weights; bema_'s three targets of a tensor share its dtype. The
 // planner checks the rest of each (target, src) pair.
 void check_lists(const FusedCall& call, TensorRefs emas, TensorRefs src) {
+  TORCH_INTERNAL_ASSERT(call.tensors == src.size());
   const char* op = text(call.kind).op;
   const size_t tensors = src.size();
   const size_t tracks = call.weights.tracks;
@@ -290,7 +287,6 @@ FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weig
 }
 
 std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src) {
-  TORCH_INTERNAL_ASSERT(call.tensors == src.size());
   check_lists(call, emas, src);
   // Row-major spans where elements are numbered (stochastic rounding), or where the three targets
   // of a tensor must list its elements in one order (bema_). Each finished plan needs a kernel for
@@ -312,7 +308,6 @@ std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, 
 }
 
 void check_fused_call(const FusedCall& call, TensorRefs emas, TensorRefs src) {
-  TORCH_INTERNAL_ASSERT(call.tensors == src.size());
   check_lists(call, emas, src);
   const PairNames names = pair_names(call, src.size());
   std::vector<c10::Device> devices;
