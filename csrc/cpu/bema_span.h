@@ -7,12 +7,10 @@
 #include <immintrin.h>
 #endif
 
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include "../opmath.h"
 #include "span_kernels.h"
@@ -167,12 +165,6 @@ void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
   }
 }
 
-// bema_range of every kWrites but 0 (which writes nothing), indexed by kWrites - 1.
-template <typename E, typename S, int... kIndex>
-constexpr auto bema_ranges(std::integer_sequence<int, kIndex...>) {
-  return std::array{&bema_range<E, S, kIndex + 1>...};
-}
-
 // A weight that rounds to 0 in opmath leaves its list untouched.
 template <typename E, typename S>
 void bema_span(void* ema, void* theta0, void* out, const void* src, int64_t begin, int64_t end,
@@ -189,7 +181,10 @@ void bema_span(void* ema, void* theta0, void* out, const void* src, int64_t begi
   const LerpCoeff<opmath_t> cb = lerp_coeff(beta);
   const LerpCoeff<opmath_t> c0 = lerp_coeff(w0);
   const int writes = (beta != 0 ? 1 : 0) | (w0 != 0 ? 2 : 0) | (alpha != 0 ? 4 : 0);
-  static constexpr auto kRanges = bema_ranges<E, S>(std::make_integer_sequence<int, 7>());
+  // bema_range of every kWrites but 0 (which writes nothing), indexed by kWrites - 1.
+  static constexpr decltype(&bema_range<E, S, 1>) kRanges[] = {
+      &bema_range<E, S, 1>, &bema_range<E, S, 2>, &bema_range<E, S, 3>, &bema_range<E, S, 4>,
+      &bema_range<E, S, 5>, &bema_range<E, S, 6>, &bema_range<E, S, 7>};
   if (writes != 0) {
     kRanges[writes - 1](e, t, o, s, n, cb, c0, alpha);
   }
