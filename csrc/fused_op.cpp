@@ -272,8 +272,9 @@ FusedWeights checked_scalar_weight(const c10::Scalar& weight) {
 // A stochastic call: its weights, then its step, one int64 element (read here from the CPU when
 // `read`, else left to the kernel), seeds, keys and offsets.
 FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
-                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
-                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets, bool read) {
+                          const at::Tensor& step, c10::HeaderOnlyArrayRef<int64_t> seeds,
+                          c10::HeaderOnlyArrayRef<int64_t> keys,
+                          c10::HeaderOnlyArrayRef<int64_t> offsets, bool read) {
   FusedCall call{kind, tensors, checked_weights(kind, weights, read)};
   const char* op = text(kind).device_op;
   TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");

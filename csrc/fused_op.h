@@ -6,8 +6,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/DeviceType.h>
-#include <c10/util/ArrayRef.h>
+#include <torch/headeronly/core/DeviceType.h>
+#include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -46,11 +46,11 @@ inline bool is_stochastic(FusedKind kind) {
 // Stochastic rounding (stochastic_round.h): track k's tensor i rounds with seed seeds[k], key
 // keys[k * tensors + i] and offset offsets[i].
 struct FusedRounding {
-  c10::ArrayRef<int64_t> seeds;
+  c10::HeaderOnlyArrayRef<int64_t> seeds;
   uint64_t step = 0;                        // when the step is known on the host
   const at::Tensor* step_tensor = nullptr;  // else an int64 tensor on the plan's device
-  c10::ArrayRef<int64_t> keys;
-  c10::ArrayRef<int64_t> offsets;
+  c10::HeaderOnlyArrayRef<int64_t> keys;
+  c10::HeaderOnlyArrayRef<int64_t> offsets;
 };
 
 // One call as the driver and the runners see it. A plan's pair FlatPair::index is track k's tensor
@@ -85,9 +85,9 @@ FusedWeights checked_scalar_weight(const c10::Scalar& weight);
 // A stochastic call of `kind` over `tensors` sources: its weights, step (one int64 element, read
 // here from the CPU when `read`, else left to the kernel), seeds, keys and offsets.
 FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weights,
-                          const at::Tensor& step, c10::ArrayRef<int64_t> seeds,
-                          c10::ArrayRef<int64_t> keys, c10::ArrayRef<int64_t> offsets,
-                          bool read = true);
+                          const at::Tensor& step, c10::HeaderOnlyArrayRef<int64_t> seeds,
+                          c10::HeaderOnlyArrayRef<int64_t> keys,
+                          c10::HeaderOnlyArrayRef<int64_t> offsets, bool read = true);
 
 // bema_'s lists, tracks 0, 1 and 2 of its call.
 inline constexpr const char* kBemaLists[] = {"ema", "theta0", "out"};

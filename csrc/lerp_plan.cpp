@@ -241,7 +241,7 @@ class Planner {
     }
   }
 
-  std::vector<DevicePlan> finish(PlanCheck check) {
+  std::vector<DevicePlan> finish(const PlanCheck& check) {
     for (DeviceWork& w : work_) {
       w.plan.pairs.resize(w.pair_count);
       check_overlap_once(w.ema_ranges, w.src_ranges, names_);
@@ -364,8 +364,8 @@ void DevicePlan::write_back() const {
   }
 }
 
-std::vector<DevicePlan> plan_pairs(TensorRefs emas, TensorRefs src, bool row_major, PlanCheck check,
-                                   PairNames names) {
+std::vector<DevicePlan> plan_pairs(TensorRefs emas, TensorRefs src, bool row_major,
+                                   const PlanCheck& check, PairNames names) {
   const size_t tensors = src.size();
   const size_t tracks = tensors == 0 ? 0 : emas.size() / tensors;
   TORCH_INTERNAL_ASSERT(tracks * tensors == emas.size());

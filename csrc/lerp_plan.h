@@ -5,10 +5,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
-#include <c10/util/ArrayRef.h>
-#include <c10/util/FunctionRef.h>
+#include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -17,7 +17,7 @@
 namespace fused_ema {
 
 // Borrowed tensors: a call's lists, or a prepared update's, without touching reference counts.
-using TensorRefs = c10::ArrayRef<const at::Tensor*>;
+using TensorRefs = c10::HeaderOnlyArrayRef<const at::Tensor*>;
 
 // A list's tensors as TensorRefs, valid while the list lives.
 inline std::vector<const at::Tensor*> refs_of(at::TensorList tensors) {
@@ -103,8 +103,9 @@ class Scratch {
   }
 };
 
-// A check of a finished plan that may still refuse the call (throws).
-using PlanCheck = c10::function_ref<void(const DevicePlan&)>;
+// A check of a finished plan that may still refuse the call (throws). Made once per call and run
+// once per device, never per tensor; a lambda that captures a reference or two is stored in place.
+using PlanCheck = std::function<void(const DevicePlan&)>;
 
 // How errors name a pair's tensors: lerp_'s ema[i] and src[i], or, for lerp_many_'s pairs (track
 // k's tensor i at index k * tensors + i), emas[k][i] and src[i]; with track_names (bema_'s lists),
@@ -127,7 +128,7 @@ void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairN
 // span lists its ema's elements in row-major order, as stochastic rounding numbers them, so a
 // non-contiguous ema is computed in a contiguous stand-in and written back) and the EMAs' version
 // counters bumped. The tensors must outlive the plans.
-std::vector<DevicePlan> plan_pairs(TensorRefs emas, TensorRefs src, bool row_major, PlanCheck check,
-                                   PairNames names);
+std::vector<DevicePlan> plan_pairs(TensorRefs emas, TensorRefs src, bool row_major,
+                                   const PlanCheck& check, PairNames names);
 
 }  // namespace fused_ema

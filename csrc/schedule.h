@@ -2,7 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/DeviceType.h>
+#include <torch/headeronly/core/DeviceType.h>
 
 #include "schedule_formula.h"
 
