@@ -5,6 +5,7 @@ Python loop."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +43,8 @@ def lerp_(
         op = torch.ops.fused_ema.lerp_.Tensor
     elif isinstance(weight, (float, int)):
         op = torch.ops.fused_ema.lerp_.default
+        if not isinstance(weight, bool):  # C++ refuses a bool by its type
+            weight = _float(weight, _LERP_OP, "weight")
     else:
         raise TypeError(f"{_LERP_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     (ema,), src, _ = _local([ema], src)
@@ -80,14 +83,14 @@ def lerp_stochastic_(
     if isinstance(weight, bool) or not isinstance(weight, (float, int, torch.Tensor)):
         raise TypeError(f"{_SR_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     if not isinstance(weight, torch.Tensor):
-        weight = torch.tensor(float(weight), dtype=torch.float64)
+        weight = torch.tensor(_float(weight, _SR_OP, "weight"), dtype=torch.float64)
     step = _stochastic_step(step, _SR_OP)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{_SR_OP}seed must be an int, got {_type(seed)}")
     # Lists go to the op as they are (its schema checks every item in C++): a ModelEma update
     # passes the same lists each step, with no Python loop over them.
-    keys = list(range(len(ema))) if keys is None else _int_list(keys)
-    offsets = [0] * len(ema) if offsets is None else _int_list(offsets)
+    keys = list(range(len(ema))) if keys is None else _int_list(keys, _SR_OP, "keys")
+    offsets = [0] * len(ema) if offsets is None else _int_list(offsets, _SR_OP, "offsets")
     (ema,), src, offsets = _local([ema], src, offsets)
     torch.ops.fused_ema.lerp_stochastic_(
         ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
@@ -138,7 +141,7 @@ def lerp_many_(
         step = _stochastic_step(step, _MANY_OP)
         seeds = _track_seeds(seed, len(tracks))
         keys = _track_keys(keys, len(tracks), len(src))
-        offsets = [0] * len(src) if offsets is None else _int_list(offsets)
+        offsets = [0] * len(src) if offsets is None else _int_list(offsets, _MANY_OP, "offsets")
     tracks, src, offsets = _local(tracks, src, offsets)
     flat = [t for track in tracks for t in track]
     if seed is None:
@@ -164,13 +167,17 @@ def _track_keys(keys, count: int, tensors: int) -> list:
     """K lists of N keys as one list, track after track (default: k * N + i)."""
     if keys is None:
         return list(range(count * tensors))
+    if not hasattr(keys, "__len__"):
+        raise TypeError(f"{_MANY_OP}keys must be K lists of N ints, got {_type(keys)}")
     if len(keys) != count:
         raise ValueError(f"{_MANY_OP}keys has {len(keys)} lists but emas has {count} tracks")
     flat = []
     for k, row in enumerate(keys):
+        if not hasattr(row, "__len__"):
+            raise TypeError(f"{_MANY_OP}keys[{k}] must be a list of N ints, got {_type(row)}")
         if len(row) != tensors:
             raise ValueError(f"{_MANY_OP}keys[{k}] has {len(row)} keys but src has {tensors}")
-        flat += _int_list(row)
+        flat += _int_list(row, _MANY_OP, f"keys[{k}]")
     return flat
 
 
@@ -227,7 +234,13 @@ def _weights(weights, count: int, op: str, names: tuple = ()) -> torch.Tensor:
         if isinstance(w, bool) or not isinstance(w, (float, int)):
             name = f" ({names[k]})" if names else ""
             raise TypeError(f"{op}weights[{k}]{name} must be a float, got {_type(w)}")
-    return torch.tensor([float(w) for w in weights], dtype=torch.float64)
+    return torch.tensor(
+        [
+            _float(w, op, f"weights[{k}]" + (f" ({names[k]})" if names else ""))
+            for k, w in enumerate(weights)
+        ],
+        dtype=torch.float64,
+    )
 
 
 def _stochastic_step(step, op: str) -> torch.Tensor:
@@ -239,8 +252,30 @@ def _stochastic_step(step, op: str) -> torch.Tensor:
     return step
 
 
-def _int_list(values) -> list:
-    return values if isinstance(values, list) else [int(v) for v in values]
+def _float(value: float | int, op: str, name: str) -> float:
+    """A Python number as a float for C++ to check; an int too large even for a float64 cannot
+    fit a float32 either (float() would raise an OverflowError naming nothing)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{op}{name} must fit a float32, got {value}") from None
+
+
+def _int_list(values, op: str, name: str) -> list:
+    """Keys or offsets as a list of ints: a list as it is (the op's schema checks its items in
+    C++), any other iterable item by item, refusing what is not an integer (int() would truncate
+    1.5 and parse "3")."""
+    if isinstance(values, list):
+        return values
+    if isinstance(values, str) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{op}{name} must be a sequence of ints, got {_type(values)}")
+    ints = []
+    for i, v in enumerate(values):
+        try:
+            ints.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"{op}{name}[{i}] must be an int, got {_type(v)}") from None
+    return ints
 
 
 def _as_int64(value: int, name: str, op: str = _SR_OP) -> int:

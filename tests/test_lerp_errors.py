@@ -161,6 +161,28 @@ def test_weights_beyond_float32_are_refused_before_writing(lerp, device, weight)
     assert all(torch.equal(a, b) for g, h in zip(emas, before) for a, b in zip(g, h))
 
 
+def test_int_weights_beyond_int64_are_checked_as_numbers(device):
+    """An int is a weight like a float: 2**70 fits a float32, 2**1100 does not even fit a float64
+    (the dispatcher's Scalar holds neither, so the API converts)."""
+    ema, src = good_lists(device)
+    expected = [e.clone() for e in ema]
+    torch._foreach_lerp_(expected, src, float(2**70))
+    fused_ema.lerp_(ema, src, 2**70)
+    for got, want in zip(ema, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    for weight in (2**1100, -(2**1100)):
+        assert_rejected(fused_ema.lerp_, ema, src, weight, ValueError, "weight must fit a float32")
+    emas = [[e.clone() for e in ema] for _ in range(2)]
+    for call, match in [
+        (lambda: fused_ema.lerp_many_(emas, src, [0.5, 2**1100]), r"weights\[1\] must fit"),
+        (lambda: fused_ema.bema_(*emas, emas[0], src, (0.5, 0.1, 2**1100)), r"\(alpha\) must fit"),
+    ]:
+        before = [[e.clone() for e in group] for group in emas]
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert all(torch.equal(a, b) for g, h in zip(emas, before) for a, b in zip(g, h))
+
+
 def test_non_finite_cpu_tensor_weight(device):
     ema, src = good_lists(device)
     assert_rejected(

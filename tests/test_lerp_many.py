@@ -627,6 +627,18 @@ def test_bad_keys_name_track_and_tensor(device):
         ({"seed": [1, True, 2], "step": 1}, TypeError, r"seed\[1\] must be an int"),
         ({"seed": 1, "step": True}, TypeError, r"step must be an int"),
         ({"seed": 1, "step": 1, "keys": [[0] * 4] * 2}, ValueError, r"keys has 2 lists"),
+        ({"seed": 1, "step": 1, "keys": 5}, TypeError, r"keys must be K lists of N ints, got int"),
+        ({"seed": 1, "step": 1, "keys": [0, 1, 2]}, TypeError, r"keys\[0\] must be a list of N"),
+        (
+            {"seed": 1, "step": 1, "keys": [[0] * 4, (1, 2, 3.5, 4), [0] * 4]},
+            TypeError,
+            r"lerp_many_: keys\[1\]\[2\] must be an int, got float",
+        ),
+        (
+            {"seed": 1, "step": 1, "offsets": (0, 0, 0, 1.5)},
+            TypeError,
+            r"offsets\[3\] must be an int",
+        ),
     ],
 )
 def test_bad_keyword_arguments(kwargs, error, match):

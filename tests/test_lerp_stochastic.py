@@ -291,6 +291,12 @@ def test_unbiased_where_round_to_nearest_stalls(dtype):
         ({"src1": torch.zeros(5, dtype=torch.int32)}, ValueError, r"src\[1\] has dtype int32"),
         ({"src1": torch.zeros(4, dtype=torch.bfloat16)}, ValueError, r"src\[1\] has shape \[4\]"),
         ({"src1": torch.zeros(5, dtype=torch.float64)}, ValueError, r"unsupported dtype pair"),
+        # Tuples are read item by item: int() would truncate 1.5 and parse "3".
+        ({"keys": (0, 1.5)}, TypeError, r"stochastic_: keys\[1\] must be an int, got float"),
+        ({"keys": ("0", 1)}, TypeError, r"keys\[0\] must be an int, got str"),
+        ({"offsets": (0, 2.0)}, TypeError, r"offsets\[1\] must be an int, got float"),
+        ({"offsets": 7}, TypeError, r"offsets must be a sequence of ints, got int"),
+        ({"weight": 2**1100}, ValueError, r"stochastic_: weight must fit a float32"),
     ],
 )
 def test_bad_input_raises_and_writes_nothing(kwargs, error, match):
