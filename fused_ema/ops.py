@@ -230,17 +230,13 @@ def _weights(weights, count: int, op: str, names: tuple = ()) -> torch.Tensor:
             if names
             else f"{op}weights has {len(weights)} entries but emas has {count} tracks"
         )
+    floats = []
     for k, w in enumerate(weights):
+        name = f"weights[{k}]" + (f" ({names[k]})" if names else "")
         if isinstance(w, bool) or not isinstance(w, (float, int)):
-            name = f" ({names[k]})" if names else ""
-            raise TypeError(f"{op}weights[{k}]{name} must be a float, got {_type(w)}")
-    return torch.tensor(
-        [
-            _float(w, op, f"weights[{k}]" + (f" ({names[k]})" if names else ""))
-            for k, w in enumerate(weights)
-        ],
-        dtype=torch.float64,
-    )
+            raise TypeError(f"{op}{name} must be a float, got {_type(w)}")
+        floats.append(_float(w, op, name))
+    return torch.tensor(floats, dtype=torch.float64)
 
 
 def _stochastic_step(step, op: str) -> torch.Tensor:
