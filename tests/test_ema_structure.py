@@ -239,6 +239,44 @@ def test_reshaped_in_place_is_detected():
     assert_unchanged(ema, before)
 
 
+def test_a_tensor_whose_values_change_kind_is_a_change_not_a_lossy_cast():
+    # A complex p.data was averaged by its real part (the constructor refuses complex parameters),
+    # an integer buffer replaced by a float one truncated into the int EMA, a float buffer
+    # replaced by an integer one was averaged: each is now reported, and resync starts it anew.
+    torch.manual_seed(7)
+    model = Net()
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model, step=1)
+    before = snapshot(ema)
+    weight = model.head.weight.data
+    model.head.weight.data = torch.randn(4, 16, dtype=torch.complex64)
+    pattern = r"head.weight \(EMA torch.float32 \[4, 16\], model torch.complex64 \[4, 16\]\)"
+    with pytest.raises(fused_ema.StructureMismatchError, match=pattern):
+        ema.update(model, step=2)
+    assert_unchanged(ema, before)
+    with pytest.raises(ValueError, match="parameter head.weight is torch.complex64"):
+        ema.resync(model)
+    assert_unchanged(ema, before)
+    assert ema.step == 1
+    model.head.weight.data = weight
+    counted = torch.rand(()) * 100
+    model.norm.num_batches_tracked = counted
+    model.norm.running_mean = torch.randint(-9, 9, (16,))
+    with pytest.raises(fused_ema.StructureMismatchError) as err:
+        ema.update(model, step=2)
+    assert err.value.reshaped == [
+        "norm.running_mean (EMA torch.float32 [16], model torch.int64 [16])",
+        "norm.num_batches_tracked (EMA torch.int64 [], model torch.float32 [])",
+    ]
+    assert_unchanged(ema, before)
+    ema.resync(model)
+    ema.update(model, step=2)
+    after = ema.state_dict()["weights"]
+    assert torch.equal(after["norm.running_mean"], model.norm.running_mean)  # copied, not averaged
+    assert torch.equal(after["norm.num_batches_tracked"], counted)  # averaged from the model
+    assert torch.equal(after["stem.weight"], 0.5 * (before["stem.weight"] + model.stem.weight))
+
+
 def test_swapped_puts_ema_in_place_and_restores_after_an_exception():
     torch.manual_seed(4)
     model = trained(small_mlp(), 3)

@@ -148,12 +148,20 @@ class Changes:
         )
 
 
+def _kind(t: torch.Tensor) -> int:
+    """0 integer or bool, 1 real floating point, 2 complex: a tensor of one kind cannot stand for
+    another's (averaging an integer, or casting a complex value to a real EMA, is lossy)."""
+    return 2 if t.is_complex() else int(t.is_floating_point())
+
+
 def _layout_change(entry: Entry, t: torch.Tensor) -> str | None:
     """None while the entry's layout fits `t`; else "partitioned" when it holds the whole EMA of a
     parameter that ZeRO-3 has partitioned since (each rank keeps its slice of it), or "reshaped"
-    (a meta EMA of a tensor materialised since too)."""
+    (a meta EMA of a tensor materialised since too, or a tensor whose values changed kind:
+    `p.data = ` a complex tensor, an integer buffer replaced by a float one)."""
     fits = zero3.same_layout if zero3.is_zero3(t) else same_layout
-    if fits(entry.ema, t) and not (entry.ema.is_meta and not t.is_meta):
+    meta = entry.ema.is_meta and not t.is_meta
+    if fits(entry.ema, t) and not meta and _kind(entry.ema) == _kind(t):
         return None
     whole = zero3.is_zero3(t) and not entry.ema.is_meta and entry.ema.shape == t.ds_shape
     return "partitioned" if whole else "reshaped"
@@ -223,7 +231,10 @@ class EntryTable:
                 out.renamed.append(f"{', '.join(e.names)} -> {', '.join(t.names)}")
             elif how == "reshaped":
                 shape = "meta" if e.ema.is_meta else list(e.ema.shape)
-                out.reshaped.append(f"{t.name} (EMA {shape}, model {list(t.tensor.shape)})")
+                model = list(t.tensor.shape)
+                if shape == model:  # same shape, another kind of values
+                    shape, model = (f"{x.dtype} {model}" for x in (e.ema, t.tensor))
+                out.reshaped.append(f"{t.name} (EMA {shape}, model {model})")
             elif how == "partitioned":
                 out.partitioned += t.names
             elif how in ("replaced", "untied") and t.kind == PARAM:
