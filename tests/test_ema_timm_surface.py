@@ -646,6 +646,7 @@ def test_to_a_device_and_refusals_change_nothing():
     for bad, error in [
         ((missing,), (RuntimeError, AssertionError)),
         ((torch.int32,), ValueError),
+        ((torch.float8_e4m3fn,), ValueError),  # floating, but no kernel averages it
         (("meta",), ValueError),
         ((), ValueError),  # memory_format below
     ]:
@@ -655,6 +656,24 @@ def test_to_a_device_and_refusals_change_nothing():
         assert_unchanged(ema, before)
         assert ema.device == torch.device("cpu") and ema._binding.policy.dtype is None
     ema.update(trained(model, 1))  # still usable
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"dtype": torch.float8_e4m3fn}, {"dtype": torch.float8_e5m2}, {"device": "meta"}],
+)
+def test_an_ema_no_update_could_run_is_refused_when_built(kwargs):
+    # Both were accepted, and every update then failed (float8: no fused kernel averages it;
+    # device="meta": its tensors hold no values, reported as reshaped).
+    model = trained(small_mlp(), 1)
+    with pytest.raises(ValueError, match=r"dtype|meta") as err:
+        fused_ema.ModelEma(model, 0.8, **kwargs)
+    assert str(next(iter(kwargs.values()))).removeprefix("torch.") in str(err.value)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        ema = fused_ema.ModelEma(model, 0.8, dtype=dtype)
+        ema.update(model)
+        ema.update(trained(model, 1))
+        assert weights(ema)["0.weight"].dtype == dtype
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

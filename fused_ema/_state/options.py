@@ -7,12 +7,24 @@ from __future__ import annotations
 import torch
 
 from .._dist.shard import resolve
+from .._ext.op_meta import SUPPORTED_DTYPE_PAIRS
 from .._model.name_filters import name_filters
 from .._model.tracking import EntryPolicy
 from .._update.schedule import check_options, check_rounding
 
 BUFFER_MODES = ("average", "copy", "ignore")
 MISMATCH_MODES = ("error", "resync")
+# What an EMA tensor can be: the fused kernels average these (a source of another dtype is staged
+# into the EMA's); float8 and other floating dtypes would make every update fail.
+EMA_DTYPES = tuple(dict.fromkeys(e for e, s in SUPPORTED_DTYPE_PAIRS if e == s))
+
+
+def check_ema_dtype(dtype, what: str) -> None:
+    if dtype not in EMA_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in EMA_DTYPES)
+        raise ValueError(
+            f"{what} must be a floating dtype the fused kernels average ({names}), got {dtype!r}"
+        )
 
 
 def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: str) -> tuple:
@@ -47,13 +59,15 @@ def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: st
         raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
     if on_mismatch not in MISMATCH_MODES:
         raise ValueError(f"on_mismatch must be one of {MISMATCH_MODES}, got {on_mismatch!r}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    if dtype is not None:
+        check_ema_dtype(dtype, "dtype (None or a torch.dtype)")
     options = check_options(
         decay, min_decay, warmup, update_after_step, update_every, update_every_decay
     )
     checked_rounding = check_rounding(*rounding)
     filters = name_filters(*names)
     where = torch.device(device) if device is not None else None
+    if where is not None and where.type == "meta":
+        raise ValueError("device='meta' would drop the average: the EMA holds values")
     entry_policy = EntryPolicy(where, dtype, buffers, *filters, resolve(shard))
     return options, checked_rounding, entry_policy

@@ -11,6 +11,7 @@ import torch
 
 from .._dist.dtensor import is_dtensor
 from .._model.module_view import SwappedModelView
+from .options import check_ema_dtype
 
 
 def parse_to(args, kwargs):
@@ -20,8 +21,8 @@ def parse_to(args, kwargs):
         raise ValueError("ema.to(memory_format=...) is not supported: the EMA keeps its layout")
     if device is not None and device.type == "meta":
         raise ValueError("ema.to('meta') would drop the average: the EMA holds values")
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"ema.to() takes a floating dtype for the EMA tensors, got {dtype}")
+    if dtype is not None:
+        check_ema_dtype(dtype, "ema.to()'s dtype")
     return device, dtype, non_blocking
 
 
