@@ -123,6 +123,7 @@ BAD_STEPS = [
     torch.tensor(-4),
     torch.tensor(2**60),
     torch.tensor(5, device="meta"),
+    torch.tensor([5]).to_sparse(),  # one element, but sparse: was a RuntimeError from reshape
 ]
 
 

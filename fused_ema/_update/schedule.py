@@ -220,6 +220,8 @@ class Schedule:
         if step is None:
             return None
         if isinstance(step, torch.Tensor):
+            if step.layout != torch.strided:  # reshape and the C++ read refuse sparse tensors
+                raise ValueError(f"step must be a dense integer tensor, got layout {step.layout}")
             if step.numel() != 1:
                 raise ValueError(
                     f"step must be one number, got a tensor of shape {list(step.shape)}"
