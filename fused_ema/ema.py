@@ -6,6 +6,7 @@ that raises leaves the EMA (tensors, step, schedule) and the model as they were.
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 
 import torch
@@ -397,6 +398,11 @@ class ModelEma(TimmAttributes, nn.Module):
         self._updater.ready(error="a ModelEma cannot be copied or pickled inside ema.swapped()")
         transient = ("_updater", "_key", "_hooks")  # rebuilt by _init_transient
         return {k: v for k, v in self.__dict__.items() if k not in transient}
+
+    def __copy__(self) -> ModelEma:
+        # A shallow copy shared the tensors, step and ema.module, not the lock and swapped() flag
+        # that guard them (its update inside the original's swapped() wrote into the model).
+        return copy.deepcopy(self)
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)

@@ -354,6 +354,30 @@ def test_module_keeps_sharing_non_persistent_buffers_as_the_ema_follows_the_mode
     assert_evaluates(ema, model, g, rtol=1e-12)
 
 
+def test_a_shallow_copy_is_an_independent_ema_too():
+    # copy.copy shared the EMA's tensors, step and ema.module but not the lock and swapped() flag
+    # guarding them: the copy's update inside the original's swapped() averaged into tensors
+    # holding the model's weights, which the block's end then wrote into the model.
+    torch.manual_seed(21)
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    other = copy.copy(ema)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, opt)
+    training = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    with ema.swapped(model):
+        other.update(model)
+        with pytest.raises(RuntimeError, match="swapped"):
+            ema.module(torch.randn(2, 6))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, training[name]), name
+    assert ema.step == 1 and other.step == 2
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_copies_of_the_ema_keep_the_tables_with_what_they_copy():
     """A deepcopy or unpickled EMA is independent of the model: its ema.module owns one copy of
     each table (still one tensor for both blocks). A parent deepcopied with both the model and
