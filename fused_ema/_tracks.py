@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._state.ema_state import commit_loads
-from .checkpoint import read_source
+from .checkpoint import is_value, read_source
 from .ema import ModelEma
 from .errors import CheckpointError
 
@@ -101,11 +101,13 @@ class TrackSet(nn.Module):
         self._ready("load_state_dict")
         state, source = read_source(state, f"{kind} checkpoint")
         formats = (self.FORMAT, *self.LEGACY_FORMATS)
-        if not isinstance(state, dict) or state.get("format") not in formats:
+        if not isinstance(state, dict) or not any(
+            is_value(state.get("format"), f) for f in formats
+        ):
             problem = f"not a {kind} state dict (expected 'format': {self.FORMAT!r})"
             raise CheckpointError([problem], source)
         problems = []
-        if state.get("format_version") != self.FORMAT_VERSION:
+        if not is_value(state.get("format_version"), self.FORMAT_VERSION):
             problems.append(
                 f"format_version {state.get('format_version')!r}: expected {self.FORMAT_VERSION}"
             )

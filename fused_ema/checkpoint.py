@@ -61,9 +61,24 @@ def _as_step(value, key: str, problems: list[str]) -> int | None:
 
 
 def _by_name(state: Mapping, drop_prefix: str = "") -> dict[str, object]:
-    items = {k[len(drop_prefix) :]: v for k, v in state.items() if k.startswith(drop_prefix)}
+    items = {k[len(drop_prefix) :]: v for k, v in state.items() if _starts(k, drop_prefix)}
     names = strip_checkpoint_prefixes(items)
-    return {names[k]: v for k, v in items.items()}
+    # A key that is no name (an int...) stays as it is, to be reported as not in the EMA.
+    others = {} if drop_prefix else {k: v for k, v in state.items() if not isinstance(k, str)}
+    return {names[k]: v for k, v in items.items()} | others
+
+
+def _starts(key, prefix: str) -> bool:
+    return isinstance(key, str) and key.startswith(prefix)
+
+
+def is_value(value, expected) -> bool:
+    """value == expected, for a value read from a checkpoint (a tensor or an array compares
+    elementwise: one that is not a single element is not equal)."""
+    try:
+        return bool(value == expected)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def parse_checkpoint(state) -> ParsedCheckpoint:
@@ -80,9 +95,9 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
             kind, weights, step=_as_step(step, key, problems), problems=problems, **extra
         )
 
-    if state.get("format") == FORMAT:
+    if is_value(state.get("format"), FORMAT):
         version = state.get("format_version")
-        if version != FORMAT_VERSION:
+        if not is_value(version, FORMAT_VERSION):
             problems.append(
                 f"fused_ema checkpoint format_version {version!r} is not "
                 f"{FORMAT_VERSION}, the one this version reads"
@@ -117,11 +132,11 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
         kind = "torch_ema" if key == "num_updates" else "diffusers EMAModel"
         positional = list(shadow) if not problems else None
         return parsed(kind, None, state.get(key), key, positional=positional)
-    if "n_averaged" in keys and any(k.startswith("module.") for k in keys):
+    if "n_averaged" in keys and any(_starts(k, "module.") for k in keys):
         return parsed(
             "AveragedModel", _by_name(state, "module."), state["n_averaged"], "n_averaged"
         )
-    if {"initted", "step"} <= keys and any(k.startswith("ema_model.") for k in keys):
+    if {"initted", "step"} <= keys and any(_starts(k, "ema_model.") for k in keys):
         return parsed("ema-pytorch", _by_name(state, "ema_model."), state["step"], "step")
     if keys and all(isinstance(v, torch.Tensor) for v in state.values()):
         return parsed("state dict", _by_name(state))
@@ -262,6 +277,14 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
     return None
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal, NaN equal to NaN: a tied weight that went NaN is still one tensor."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
 def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
     if is_dtensor(entry.ema) or is_dtensor(tensor):
         return tensor  # resharded while it is copied in (see _dist/dtensor.py copy_into)
@@ -343,7 +366,7 @@ def prepare_load(
         # of one tie are not compared: each rank holds only its own.
         tied = not problem and first_fit and first is not tensor
         if tied and not (is_dtensor(tensor) or is_dtensor(first)):
-            if tensor.dtype != first.dtype or not torch.equal(tensor.to(first.device), first):
+            if tensor.dtype != first.dtype or not _same_values(tensor.to(first.device), first):
                 problem = (
                     f"{name}: tied to {first_name} in this EMA, but the two hold different values"
                 )

@@ -100,6 +100,27 @@ def test_tied_weights_that_differ_inside_a_parents_state_dict_are_named():
     assert_untouched(parent["ema"], before)
 
 
+def test_tied_weights_holding_nan_load_from_their_own_checkpoint(tmp_path):
+    """NaN propagates into the average; a tied weight holding NaN is still one tensor, so the EMA
+    loads its own file (torch.load gives each name its own tensor object)."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    source = fused_ema.ModelEma(model, decay=0.5)
+    with torch.no_grad():
+        model.embed.weight[torch.randint(11, (1,)), torch.randint(8, (1,))] = float("nan")
+    source.update(model)
+    torch.save(source.state_dict(), tmp_path / "ema.pt")
+    target = fused_ema.ModelEma(TiedNet(), decay=0.5)
+    target.load_state_dict(tmp_path / "ema.pt")
+    want, got = source.state_dict()["weights"], target.state_dict()["weights"]
+    for name in ("embed.weight", "head.weight"):
+        assert torch.equal(got[name].isnan(), want[name].isnan())
+        assert torch.equal(got[name].nan_to_num(), want[name].nan_to_num())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["head.weight"][~state["head.weight"].isnan()] += 1  # same NaN, other values: refused
+    rejected(fused_ema.ModelEma(TiedNet(), decay=0.5), state, "head.weight: tied to embed.weight")
+
+
 # ------------------------------------------------------------------------- rejections
 
 
@@ -170,6 +191,33 @@ def test_bad_step_schedule_and_format(mutate, message):
     mutate(state)
     rejected(ema, state, message)
     rejected(ema, state, message, strict=False)  # format problems stop a non-strict load too
+
+
+def test_odd_keys_and_array_valued_headers_are_checkpoint_errors():
+    """Keys that are no names and a format / format_version holding an array are reported as what
+    they are (they once raised AttributeError and 'Boolean value of Tensor ... is ambiguous')."""
+    _, ema = trained_pair()
+    rejected(ema, {0: torch.zeros(3)}, "not in this EMA: 0")
+    rejected(ema, {7: torch.zeros(1), "n_averaged": torch.tensor(1)}, "not in this EMA: 7")
+    state = ema.state_dict()
+    state["format_version"] = torch.ones(2, dtype=torch.int64)
+    rejected(ema, state, "format_version tensor([1, 1])")
+    state = ema.state_dict()
+    state["format"] = torch.zeros(3)
+    rejected(ema, state, "not an EMA checkpoint")
+    state = ema.state_dict()
+    state["weights"][5] = torch.zeros(1)
+    rejected(ema, state, "not in this EMA: 5")
+    assert ema.load_state_dict(state, strict=False).unexpected_keys == [5]
+
+
+def test_a_bad_rounding_is_listed_with_the_other_problems():
+    _, ema = trained_pair()
+    state = ema.state_dict()
+    state["rounding"] = {"stochastic_rounding": 1}
+    state["weights"]["0.weight"] = torch.zeros(1)
+    error = rejected(ema, state, "rounding: expected", "0.weight: shape [1]")
+    assert len(error.problems) == 2
 
 
 def test_foreign_and_broken_inputs(tmp_path):

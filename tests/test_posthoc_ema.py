@@ -236,6 +236,9 @@ def test_a_damaged_checkpoint_is_refused_whole_and_changes_nothing():
             other.load_state_dict(wrong_index)
     with pytest.raises(CheckpointError, match="PostHocEma"):
         other.load_state_dict(good["emas"][0])
+    for key in ("format", "format_version"):  # an array there once raised "ambiguous" RuntimeError
+        with pytest.raises(CheckpointError, match="format"):
+            other.load_state_dict({**good, key: torch.ones(2, dtype=torch.int64)})
     for b, e in zip(before, other.emas):
         assert e.step == 1
         for name, value in b["weights"].items():

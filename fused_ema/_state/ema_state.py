@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import torch
 
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._update.schedule import rounding_from_state
-from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, prepare_load, read_source
+from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, is_value, prepare_load, read_source
 from ..errors import CheckpointError, PrecisionWarning
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -82,16 +83,22 @@ class EmaState:
         be a file path; `step` overrides the checkpoint's. Returns (prepared, rounding)."""
         step = None if step is None else self.schedule.as_value(step)
         state, source = read_source(state, source)
-        binding = self.binding
-        prepared = prepare_load(
-            binding.table, state, strict, source, binding.policy, step, self.schedule.options
-        )
-        rounding = None
-        if isinstance(state, dict) and state.get("format") == FORMAT and "rounding" in state:
+        rounding, problems = None, []
+        own = isinstance(state, Mapping) and is_value(state.get("format"), FORMAT)
+        if own and "rounding" in state:
             try:
                 rounding = rounding_from_state(state["rounding"])
             except (TypeError, ValueError) as err:
-                raise CheckpointError([f"rounding: {err}"], source) from err
+                problems.append(f"rounding: {err}")
+        binding = self.binding
+        try:
+            prepared = prepare_load(
+                binding.table, state, strict, source, binding.policy, step, self.schedule.options
+            )
+        except CheckpointError as err:  # with the rounding's problem: every problem in one error
+            raise CheckpointError(err.problems + problems, source) from err
+        if problems:
+            raise CheckpointError(problems, source)
         return prepared, rounding
 
     def apply(self, prepared, rounding) -> LoadResult:
