@@ -149,7 +149,7 @@ class TrackSet(nn.Module):
         if len(set(steps)) > 1:
             named = ", ".join(f"{n} {s}" for n, s in zip(self._track_names, steps))
             problems.append(f"the EMAs are at different steps ({named}): they update together")
-        elif header_step is not None and steps and header_step != steps[0]:
+        elif header_step is not None and steps and not is_value(header_step, steps[0]):
             problems.append(f"step {header_step!r} beside EMAs at step {steps[0]}")
         if not problems:
             writes = [track._state.load_writes(*p) for track, p in zip(self._tracks, prepared)]

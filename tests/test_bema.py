@@ -162,6 +162,9 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_whole_and_changes_nothing():
     truncated["emas"] = truncated["emas"][:2]
     with pytest.raises(CheckpointError, match="3 EMA state dicts"):
         other.load_state_dict(truncated)
+    for step in (torch.tensor([4, 4]), 5):  # an array once raised "ambiguous" RuntimeError
+        with pytest.raises(CheckpointError, match="beside EMAs at step 4"):
+            other.load_state_dict({**good, "step": step})
     for b, track in zip(before, other._tracks):
         assert track.step == 3
         for name, value in b["weights"].items():
