@@ -265,6 +265,11 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
         return f"{name}: expected a tensor, got {type(tensor).__name__}"
     if tensor.is_meta:
         return f"{name}: a meta tensor holds no values"
+    if ema.is_meta:  # loaded "into" it, the values would be dropped without a word
+        return (
+            f"{name}: this EMA's tensor is on meta (made from a meta-device model) and can hold no "
+            "values; call ema.resync(model) once the model is materialised, then load"
+        )
     if tensor.layout != torch.strided or tensor.is_nested:
         kind = "nested" if tensor.is_nested else str(tensor.layout)
         return f"{name}: a {kind} tensor; the EMA holds dense (strided) tensors"

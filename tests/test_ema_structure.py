@@ -190,6 +190,10 @@ def test_meta_model_then_to_empty_and_resync():
             b.zero_() if not b.is_floating_point() else b.fill_(0.5)
     with pytest.raises(fused_ema.StructureMismatchError, match="meta"):
         ema.update(model)
+    # A load would drop the values into meta tensors: refused, the step untouched.
+    with pytest.raises(fused_ema.CheckpointError, match="0.weight: this EMA's tensor is on meta"):
+        ema.load_state_dict(model.state_dict(), step=5)
+    assert ema.step == 0
     ema.resync(model)
     ema.update(model)
     weights = ema.state_dict()["weights"]
