@@ -5,6 +5,7 @@ the model, and their checkpoints are one, all or nothing. Each class says what i
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -182,6 +183,10 @@ class TrackSet(nn.Module):
         if None not in ready and not missing:
             problems = self._commit(ready, header, self._header_problems(header))
             errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
+
+    def __copy__(self) -> TrackSet:
+        # As ModelEma's: a shallow copy would share the tracks, and their locks, with this set.
+        return copy.deepcopy(self)
 
     def __setstate__(self, state: dict) -> None:
         nn.Module.__setstate__(self, state)

@@ -116,6 +116,45 @@ def test_swapped_module_and_copy_to_give_the_corrected_weights():
     assert torch.equal(other[0].weight, corrected["0.weight"])
 
 
+def test_an_update_inside_swapped_is_refused_and_changes_nothing():
+    """The corrected weights, swapped into the model, are a track the update writes: as
+    ModelEma.update inside its own swapped(), refused before anything is written."""
+    model = net()
+    bema = Bema(model, update_freq=1)
+    train(model, 4, lambda t: bema.update(model))
+    saved = copy.deepcopy(bema.state_dict())
+    training = copy.deepcopy(model.state_dict())
+    with bema.swapped(model):
+        inside = copy.deepcopy(model.state_dict())
+        with pytest.raises(RuntimeError, match=r"update\(\) inside `with ema.swapped"):
+            bema.update(model)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, inside[name]), name
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, training[name]), name
+    for track, weights in zip(bema._tracks, saved["emas"]):
+        for name, value in weights["weights"].items():
+            assert torch.equal(track.state_dict()["weights"][name], value), name
+    assert [t.step for t in bema._tracks] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("make", [copy.copy, copy.deepcopy])
+def test_a_copy_is_independent_and_leaves_the_original_whole(make):
+    """copy.copy as copy.deepcopy (as ModelEma's): a shallow copy shared the tracks, and making
+    them follow the leader again gave the original's update five weights instead of three."""
+    model = net()
+    bema, twin = Bema(model, update_freq=1), Bema(model, update_freq=1)
+    train(model, 3, lambda t: bema.update(model))
+    twin.load_state_dict(bema.state_dict())
+    other = make(bema)
+    train(model, 2, lambda t: (bema.update(model), twin.update(model)), seed=3, first=4)
+    assert [t.step for t in other._tracks] == [3, 3, 3]
+    other.update(model)
+    for a, b in zip(bema._tracks, twin._tracks):
+        for name, value in a.state_dict()["weights"].items():
+            assert torch.equal(value, b.state_dict()["weights"][name]), name
+
+
 def test_a_resumed_run_continues_bit_for_bit(tmp_path):
     model = net()
     whole = Bema(model, update_freq=3, update_after=2)

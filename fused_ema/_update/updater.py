@@ -51,7 +51,8 @@ class Updater:
         `joint` says: "lerp_many" (each its own lerp) or "bema" (Bema's EMA, theta0 and
         corrected weights, in that order)."""
         self.leader, self.ema_ref = leader, weakref.ref(ema)
-        leader.followers = (*leader.followers, self)
+        if self not in leader.followers:  # a TrackSet unpickled, or copied, follows again
+            leader.followers = (*leader.followers, self)
         leader.joint = joint
 
     def ready(self, what: str = "", error: str = "") -> None:
@@ -78,7 +79,8 @@ class Updater:
                 "hold a lock around the calls)"
             )
         try:
-            self.ready("update")
+            for track in (self, *self.followers):  # a follower's tensors are written too
+                track.ready("update")
             if self.leader is not None:
                 raise RuntimeError(
                     "fused_ema: this EMA is one of a PostHocEma's tracks, which update together: "
