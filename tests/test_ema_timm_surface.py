@@ -264,6 +264,8 @@ def test_decay_can_be_set_as_on_timm_and_is_checked_first():
         with pytest.raises(ValueError, match="decay"):
             ours.decay = bad
         assert ours.decay == 0.6
+    with pytest.raises(ValueError, match=r"min_decay \(at most decay\) must be .* \[0.0, 0.05\]"):
+        ours.decay = 0.05  # the bound it breaks is named as such
     ours.update(model, step=7)
     for name, value in ours.module.state_dict().items():
         expected = before[name].double() * 0.6 + model.state_dict()[name].double() * 0.4

@@ -92,7 +92,7 @@ def check_options(
     """The schedule options, validated and normalised (warmup: None, (gamma, power), "diffusers",
     "torch_ema" or ("power_function", gamma))."""
     decay = _real("decay", decay, 0.0, 1.0)
-    min_decay = _real("min_decay", min_decay, 0.0, decay)
+    min_decay = _real("min_decay (at most decay)", min_decay, 0.0, decay)
     if warmup is True:
         warmup = DEFAULT_WARMUP
     wrong = (
