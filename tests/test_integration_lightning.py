@@ -209,6 +209,39 @@ def test_manual_optimization_updates_once_per_optimizer_step(tmp_path):
     assert_same(ema_weights(callback), model.reference.weights, "EMA vs reference")
 
 
+class TwoOptimizers(Net):
+    """Manual optimization with two optimizers stepping in every batch (a GAN's pattern)."""
+
+    def __init__(self):
+        super().__init__(manual_every=1)
+        self.batch_ends = [snapshot(self)]  # the weights the EMA starts from, then each batch's
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for optimizer in self.optimizers():
+            self.manual_backward(nn.functional.mse_loss(self(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        self.batch_ends.append(snapshot(self))
+
+    def configure_optimizers(self):
+        weights = list(self.net.parameters())
+        return torch.optim.Adam(weights[:2], lr=0.05), torch.optim.Adam(weights[2:], lr=0.05)
+
+
+def test_several_optimizers_in_one_batch_make_one_update_at_its_end(tmp_path):
+    """As docs/integrations.md says: global_step counts each optimizer's steps, the EMA moves once
+    a batch (its first update, at step 2, averages into the starting weights)."""
+    model, callback = TwoOptimizers(), EMACallback(decay=DECAY)
+    run = trainer(tmp_path, [callback], max_epochs=1)
+    run.fit(model, loader(1))
+    assert run.global_step == callback.ema.step == 8  # 4 batches, 2 optimizer steps each
+    reference = ReferenceEma(DECAY)
+    for state in model.batch_ends:
+        reference.add_state(state)
+    assert_same(ema_weights(callback), reference.weights, "EMA vs once-a-batch reference")
+
+
 def test_copy_to_model_at_end_and_the_ema_keywords(tmp_path):
     model = Net()
     callback = EMACallback(decay=DECAY, copy_to_model_at_end=True, update_after_step=2)

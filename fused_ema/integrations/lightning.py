@@ -24,7 +24,8 @@ class EMACallback(Callback):
 
     The EMA is updated once per optimizer step, after it (the trainer's `global_step` moved: right
     under `accumulate_grad_batches` and manual optimization), with `step=trainer.global_step`, so
-    `warmup`, `update_after_step` and `update_every` follow optimizer steps.
+    `warmup`, `update_after_step` and `update_every` follow optimizer steps. Several optimizers
+    stepping in one batch make one update, at the batch's end (docs/integrations.md).
 
     Args:
         decay: the EMA decay (ModelEma's default, 0.9999, when None).
