@@ -335,3 +335,40 @@ def test_copy_to_writes_by_name():
     other = nn.Sequential(nn.Linear(6, 16))
     with pytest.raises(fused_ema.StructureMismatchError):
         ema.copy_to(other)
+
+
+class TiedHead(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.out = nn.Linear(6, 10, bias=False)
+        if tie:
+            self.out.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("call", ["copy_to", "set", "swapped"])
+def test_a_model_without_the_emas_tie_is_refused_by_name(call):
+    # One EMA tensor for emb.weight and out.weight: a model holding two tensors under those names
+    # got only the first written (copy_to, swapped) or read (set), the other silently skipped.
+    torch.manual_seed(21)
+    model = TiedHead(tie=True)
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    with torch.no_grad():
+        model.emb.weight.add_(torch.randn_like(model.emb.weight))
+    ema.update(model)
+    before, step = snapshot(ema), ema.step
+    other = TiedHead(tie=False)
+    original = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(fused_ema.StructureMismatchError, match="out.weight"):
+        if call == "swapped":
+            with ema.swapped(other):
+                pass
+        else:
+            getattr(ema, call)(other)
+    for name, value in other.state_dict().items():
+        assert torch.equal(value, original[name]), name
+    assert_unchanged(ema, before)
+    assert ema.step == step
+    tied = TiedHead(tie=True)  # the same tie: written by name under both
+    ema.copy_to(tied)
+    assert torch.equal(tied.out.weight, before["out.weight"])

@@ -133,6 +133,7 @@ class Changes:
     renamed: list = field(default_factory=list)  # "old -> new": the same tensor under a new name
     reshaped: list = field(default_factory=list)
     replaced: list = field(default_factory=list)  # a parameter name now holds another tensor
+    untied: list = field(default_factory=list)  # of those, names of a tie the model no longer has
     # Parameters that DeepSpeed ZeRO-3 partitioned after the EMA was built (deepspeed.initialize
     # or accelerator.prepare after ModelEma(model)): not a change, the EMA follows them as is.
     partitioned: list = field(default_factory=list)
@@ -142,7 +143,9 @@ class Changes:
 
     def error(self, hint: str, replaced: bool = True) -> StructureMismatchError:
         """The error that lists these changes (not the replaced tensors unless `replaced`)."""
-        kept = self.replaced if replaced else ()
+        # A tie undone stays an error by name too: one EMA tensor cannot be written into (or
+        # take values from) two model tensors, and writing only the first left the others as were.
+        kept = self.replaced if replaced else self.untied
         return StructureMismatchError(
             self.added, self.removed, self.reshaped, kept, hint, self.renamed
         )
@@ -240,6 +243,8 @@ class EntryTable:
             elif how in ("replaced", "untied") and t.kind == PARAM:
                 out.replaced += [n for n in t.names if n in e.names] or t.names[:1]
                 out.added += [n for n in t.names if n not in e.names]
+            if how == "untied":
+                out.untied += [n for n in t.names if n in e.names] or t.names[:1]
         out.removed = [n for e in self.entries if id(e) not in claimed for n in e.names]
         # names an entry had that its tensor no longer carries (a tie was undone)
         current = {n for t in tracked for n in t.names}
