@@ -2,6 +2,8 @@
 exact name, module name or glob, with ema-pytorch's spellings as aliases; against the real
 ema-pytorch, and through structure checks and checkpoints."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -211,3 +213,39 @@ def test_a_corrupted_filters_entry_is_one_clear_error(filters):
     state["filters"] = filters
     with pytest.raises(fused_ema.CheckpointError, match="filters: "):
         ema.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "kwargs", "to"),
+    [
+        (torch.bfloat16, {"ignore_names": ["0.bias"]}, None),
+        (torch.bfloat16, {"buffers": "ignore"}, None),
+        (torch.float32, {"ignore_names": ["0.bias"], "dtype": torch.float64}, None),
+        (torch.float32, {"buffers": "ignore"}, torch.float64),
+        (torch.float32, {"ignore_names": ["2.weight"]}, torch.float64),
+    ],
+)
+def test_the_module_runs_with_what_the_ema_leaves_out_in_its_dtype(model_dtype, kwargs, to):
+    # The left-out copies kept the model's dtype: ema.module mixed a bf16 bias (or BatchNorm
+    # statistics) with float32 EMA weights, or float32 ones with a float64 EMA, and raised.
+    torch.manual_seed(31)
+    model = nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.Linear(12, 3))
+    model.train()
+    model(torch.randn(16, 6))  # running statistics of its own
+    model.to(model_dtype)
+    ema = fused_ema.ModelEma(model, decay=0.5, **kwargs)
+    reference = copy.deepcopy(model).double().eval()  # what is left out: copies taken then
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update(model)
+    ema.update(model)
+    if to is not None:
+        ema.to(to)
+    dtype = ema.module[0].weight.dtype
+    x = torch.randn(5, 6)
+    out = ema.module(x.to(dtype))
+    assert out.dtype == dtype
+    reference.load_state_dict(ema.state_dict()["weights"], strict=False)
+    expected = reference(x.double())
+    assert torch.allclose(out.double(), expected, rtol=1e-3, atol=1e-3)

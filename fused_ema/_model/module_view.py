@@ -8,9 +8,10 @@ from __future__ import annotations
 import copy
 import weakref
 
+import torch
 from torch import nn
 
-from .tracking import unbound
+from .tracking import average_dtype, unbound
 
 
 class EmaForwardCheck:
@@ -32,12 +33,14 @@ class EmaForwardCheck:
         return {"_ema": unbound}  # a pickled copy of the module no longer belongs to an EMA
 
 
-def build_module(ema, entries, model: nn.Module) -> nn.Module:
+def build_module(ema, entries, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """The model's module tree with the EMA tensors standing in for its own (a deepcopy whose
     memo already holds them), in the EMA's mode (eval unless ema.train()), without gradients.
     A non-persistent buffer (a rotary or mask cache: derived, never averaged) is the model's own
     tensor where the EMA keeps the model's tensors of its device on that device, else one copy
-    on the device the EMA moved them to (a CPU EMA of a CUDA model)."""
+    on the device the EMA moved them to (a CPU EMA of a CUDA model). A tensor the EMA leaves out
+    (ignore_names, buffers="ignore") is a copy on that device too, a floating one in the dtype
+    the EMA averages it in (`dtype`, the EMA's dtype=), so that the module runs."""
     memo, devices = {}, {}
     for entry in entries:
         source = entry.bound()
@@ -55,6 +58,17 @@ def build_module(ema, entries, model: nn.Module) -> nn.Module:
             else:
                 moved = buffer.detach().to(device)
                 memo[id(buffer)] = moved.requires_grad_(buffer.requires_grad)
+    for owner in model.modules():
+        for store in (owner._parameters, owner._buffers):
+            for t in store.values():
+                if t is None or id(t) in memo or t.is_meta:
+                    continue
+                device = devices.get(t.device, t.device)
+                to = average_dtype(t, dtype) if t.is_floating_point() else t.dtype
+                if (device, to) != (t.device, t.dtype):
+                    moved = t.detach().to(device=device, dtype=to)
+                    param = isinstance(t, nn.Parameter)
+                    memo[id(t)] = nn.Parameter(moved, t.requires_grad) if param else moved
     try:
         module = copy.deepcopy(model, memo).train(ema.training).requires_grad_(False)
     except Exception:  # FSDP2, or something else deepcopy cannot copy

@@ -102,8 +102,7 @@ class EntryPolicy:
         # alone, kept in the policy's dtype, else float32 (float64 for float64 tensors).
         copied = not t.is_floating_point() or (tracked.kind != PARAM and self.buffers != "average")
         average = not copied and not self.copy_filter.matches_any(tracked.names)
-        dtype = self.dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
-        dtype = dtype if average else t.dtype
+        dtype = average_dtype(t, self.dtype) if average else t.dtype
         if is_dtensor(t):
             check_averageable(tracked.name, t)
             if self.device is not None and self.device != t.device:
@@ -149,6 +148,11 @@ class Changes:
         return StructureMismatchError(
             self.added, self.removed, self.reshaped, kept, hint, self.renamed
         )
+
+
+def average_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype an EMA of dtype= `dtype` averages the floating tensor `t` in."""
+    return dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
 def _kind(t: torch.Tensor) -> int:

@@ -51,16 +51,20 @@ def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> N
         moved = data.to(device=device or data.device, dtype=new_dtype, non_blocking=non_blocking)
         if moved is not data:
             moves.append((e.ema, moved))
-    # ema.module's own tensors that are not EMA entries (non-persistent buffers, and buffers an
-    # EMA with buffers="ignore" leaves out) move with it, so that it still runs.
+    # ema.module's own tensors that are not EMA entries (non-persistent buffers, and tensors the
+    # EMA leaves out) move with it, so that it still runs; those left out take the new dtype too
+    # (the non-persistent buffers keep the model's, as when the module was built).
     extras, module, ours = [], binding.module, {id(e.ema) for e in entries}
-    if device is not None and module is not None and not isinstance(module, SwappedModelView):
+    moving = device is not None or dtype is not None
+    if moving and module is not None and not isinstance(module, SwappedModelView):
         for sub in module.modules():
             for store in (sub._parameters, sub._buffers):
                 for name, t in store.items():
                     if t is not None and id(t) not in ours and not t.is_meta:
+                        derived = store is sub._buffers and name in sub._non_persistent_buffers_set
+                        to = dtype if dtype and t.is_floating_point() and not derived else t.dtype
                         data = t.data  # one object: .to() returns it when nothing moves
-                        moved = data.to(device=device, non_blocking=non_blocking)
+                        moved = data.to(device or data.device, to, non_blocking=non_blocking)
                         if moved is not data:
                             extras.append((sub, name, moved))
     if device is not None and entries:

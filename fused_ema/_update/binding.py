@@ -55,7 +55,7 @@ class Binding:
         # stand in for the weights of a copy.
         if self.policy.shard is not None or self.zero3(entries):
             return SwappedModelView(ema, model)
-        return build_module(ema, entries, model)
+        return build_module(ema, entries, model, self.policy.dtype)
 
     def zero3(self, entries=None) -> bool:
         """Whether the EMA follows a DeepSpeed ZeRO-3 model (averages partitions)."""
