@@ -372,3 +372,27 @@ def test_a_model_without_the_emas_tie_is_refused_by_name(call):
     tied = TiedHead(tie=True)  # the same tie: written by name under both
     ema.copy_to(tied)
     assert torch.equal(tied.out.weight, before["out.weight"])
+
+
+def test_a_resync_under_inference_mode_leaves_tensors_later_updates_can_write():
+    # The new head's EMA tensors (and ema.module's copies) were made as inference tensors: every
+    # update after the block raised, and a train-mode ema.module could not run.
+    torch.manual_seed(23)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    ema = fused_ema.ModelEma(model, decay=0.5, on_mismatch="resync", buffers="ignore")
+    ema.update(model)
+    model[2] = nn.Linear(8, 3)
+    with torch.inference_mode():
+        ema.update(model)  # follows the new head: it starts from the model
+    start = snapshot(ema)
+    assert torch.equal(start["2.weight"], model[2].weight.detach())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update(model)
+    for name, value in model.state_dict().items():
+        if name in start:
+            expected = start[name] + 0.5 * (value - start[name])
+            assert torch.allclose(ema.state_dict()["weights"][name], expected), name
+    ema.train()
+    ema.module(torch.randn(4, 6))  # BatchNorm writes the statistics the EMA leaves out

@@ -34,7 +34,7 @@ class Binding:
         tracked = policy.select(named_tensors(model, self.with_buffers), warn_unused=True)
         if policy.shard is not None:
             policy.shard.check_replicated(tracked)
-        self.table = without_grad(
+        self.table = _normal(
             lambda: self._packed(EntryTable([policy.new_entry(t) for t in tracked]))
         )
         self.plan: UpdatePlan | None = None
@@ -48,7 +48,7 @@ class Binding:
 
     def _followed(self, tracked) -> EntryTable:
         """The table for `tracked`, built aside (autograd off) from the current one."""
-        return without_grad(lambda: self._packed(self.table.followed(tracked, self.policy)))
+        return _normal(lambda: self._packed(self.table.followed(tracked, self.policy)))
 
     def _build_module(self, ema, entries, model) -> nn.Module:
         # A sharded EMA is gathered into the model for each forward; ZeRO-3 partitions cannot
@@ -143,7 +143,7 @@ class Binding:
                 if is_dtensor(e.ema) or is_dtensor(src) or src.is_meta or zero3.is_zero3(src):
                     continue  # a shard (or ZeRO-3 partition) stays where it was made
                 if e.ema.device != src.device:
-                    moves.append((e.ema, e.ema.data, e.ema.data.to(src.device)))
+                    moves.append((e.ema, e.ema.data, _normal(e.ema.data.to, src.device)))
         for tensor, _, moved in moves:
             tensor.data = moved
         try:
@@ -217,3 +217,13 @@ class Binding:
             for hook in self.module._forward_pre_hooks.values():
                 if isinstance(hook, EmaForwardCheck):
                     hook._ema = weakref.ref(ema)
+
+
+def _normal(fn, *args):
+    """`fn(*args)` with autograd off, making normal tensors even under torch.inference_mode(): the
+    EMA's tensors (an update or resync there may make new ones) are written outside it too. The
+    mode is switched only there: its context manager is Python, which an interrupt can split."""
+    if not torch.is_inference_mode_enabled():
+        return without_grad(fn, *args)
+    with torch.inference_mode(False):
+        return without_grad(fn, *args)
