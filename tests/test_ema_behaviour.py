@@ -541,3 +541,21 @@ def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
     assert ema.step == 1 and ema.current_decay == decay_before
     for name, value in ema.state_dict()["weights"].items():
         assert torch.equal(value, before[name]), name
+
+
+def test_ema_to_under_inference_mode_leaves_tensors_later_updates_can_write():
+    # The converted EMA tensors were inference tensors: every update after the block raised.
+    torch.manual_seed(41)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 2))
+    ema = fused_ema.ModelEma(model, decay=0.75)
+    ema.update(model)
+    with torch.inference_mode():
+        ema.to(torch.float64)
+    start = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update(model)
+    for name, value in model.state_dict().items():
+        expected = start[name] + 0.25 * (value.double() - start[name])
+        assert torch.allclose(ema.state_dict()["weights"][name], expected, rtol=0, atol=1e-12)

@@ -29,6 +29,9 @@ def parse_to(args, kwargs):
 def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> None:
     """Moves every EMA tensor to `device` and every averaged one to `dtype` (None: unchanged),
     with the step counter and ema.module; all or nothing."""
+    if torch.is_inference_mode_enabled():  # its new tensors are written outside the mode too
+        with torch.inference_mode(False):
+            return move(ema, binding, schedule, device, dtype, non_blocking)
     entries = binding.table.entries
     sharded = [e.name for e in entries if is_dtensor(e.ema)]
     if sharded and device is not None:
