@@ -106,6 +106,30 @@ def test_the_valid_ranges():
         posthoc.power_beta(6.94, 0)
 
 
+def test_the_narrowest_widths_have_finite_products_and_fits(tmp_path):
+    """sigma_rel near 0 (gamma near the float maximum): the closed form's product and sum of
+    gamma + 1 overflowed, giving nan fit errors and then a failed LAPACK call."""
+    from fractions import Fraction
+
+    t = float(torch.randint(2, 1000, ()).item())
+    for a, b in [(1e300, 1e300), (GAMMA_MIN, 1.7e308), (1.7e308, 6.94), (1e308, 1.7e308)]:
+        exact = Fraction(a + 1) * Fraction(b + 1) / (Fraction(a) + Fraction(b) + 1) / Fraction(t)
+        got = posthoc.profile_inner_products(t, a, t, b).item()
+        assert got == pytest.approx(float(exact), rel=1e-14)
+        halves = (t / 2, a, t, b) if b >= a else (t, a, t / 2, b)  # the wider profile longer
+        assert posthoc.profile_inner_products(*halves).item() == 0.0  # (1/2) ** 1e300
+    write(tmp_path, 0, 0, 10)
+    write(tmp_path, 0, 1, 10, gamma=16.97)
+    write(tmp_path, 1, 0, 20)
+    write(tmp_path, 1, 1, 20, gamma=16.97)
+    for kwargs in (dict(sigma_rel=1e-300), dict(sigma_rel=1e-308), dict(gamma=1.7e308)):
+        plan = solve_coefficients(tmp_path, **kwargs)
+        assert all(math.isfinite(c) for c in plan.coefficients)
+        assert sum(plan.coefficients) == pytest.approx(1.0, abs=1e-12)
+        assert plan.fit_error == pytest.approx(1.0)  # a spike at the step: nothing fits it
+        assert all(bool(v.isfinite().all()) for v in synthesize(tmp_path, **kwargs).values())
+
+
 # ---------------------------------------------------------------------------- synthesis
 
 

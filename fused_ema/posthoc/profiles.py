@@ -109,7 +109,10 @@ def profile_inner_products(t_a, gamma_a, t_b, gamma_b) -> torch.Tensor:
     )
     longer = torch.where(t_a < t_b, gamma_b, gamma_a)
     shorter_t, longer_t = torch.minimum(t_a, t_b), torch.maximum(t_a, t_b)
-    scale = (gamma_a + 1) * (gamma_b + 1) / ((gamma_a + gamma_b + 1) * longer_t)
+    # (gamma_a+1)(gamma_b+1) / (gamma_a+gamma_b+1) rearranged: the product and the sum overflow
+    # for the huge gammas of the narrowest widths (sigma_rel ~ 1/gamma), giving nan fit errors
+    low, high = torch.minimum(gamma_a, gamma_b), torch.maximum(gamma_a, gamma_b)
+    scale = (low + 1) / longer_t / (1 + low / (high + 1))
     return scale * (shorter_t / longer_t) ** longer
 
 
