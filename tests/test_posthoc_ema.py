@@ -177,6 +177,36 @@ def test_the_last_snapshot_holds_the_ema_of_its_step(tmp_path):
         assert torch.equal(saved[name], value), name
 
 
+def test_save_snapshot_at_a_step_that_has_one_keeps_the_folder_usable(tmp_path):
+    """save_snapshot() after the periodic snapshot of the same update (the end of a run), or twice,
+    wrote a second snapshot of that step, and synthesis refused the whole folder; before the first
+    update it failed only later, on the writer, having used up a snapshot index."""
+    from fused_ema.posthoc import list_snapshots, synthesize
+
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=4, snapshot_dir=tmp_path)
+    with pytest.raises(ValueError, match="no update has started the EMAs"):
+        ph.save_snapshot()
+    train(model, 8, lambda t: ph.update(model))
+    ph.save_snapshot()  # step 8: the periodic snapshot is there
+    train(model, 2, lambda t: ph.update(model))
+    ph.save_snapshot()
+    ph.save_snapshot()
+    ph.close()
+    assert [(s.index, s.step) for s in list_snapshots(tmp_path)] == [
+        (i, t) for i, t in enumerate((4, 8, 10)) for _ in range(2)
+    ]
+    state = synthesize(tmp_path, sigma_rel=0.1)  # gamma of EMA 1: its own weights
+    for name, value in ph.emas[1].state_dict()["weights"].items():
+        torch.testing.assert_close(state[name], value, rtol=2e-3, atol=2e-3)
+    resumed = PostHocEma(model, (0.05, 0.1), snapshot_every=4, snapshot_dir=tmp_path / "b")
+    train(model, 4, lambda t: resumed.update(model))
+    resumed.load_state_dict(copy.deepcopy(resumed.state_dict()))
+    resumed.save_snapshot()  # at step 4, which a checkpoint taken then has snapshotted
+    resumed.close()
+    assert len(list_snapshots(tmp_path / "b")) == 2
+
+
 def test_a_fresh_run_refuses_a_folder_with_another_runs_snapshots_and_changes_nothing(tmp_path):
     model = net()
     first = PostHocEma(model, (0.1,), snapshot_every=2, snapshot_dir=tmp_path)

@@ -265,6 +265,7 @@ class Snapshots:
         self.every = every
         self.dtype = dtype
         self.next_index = 0  # the index of the next snapshot
+        self.last_step: int | None = None  # the update count of the last one taken (None: unknown)
         self.resumed = False  # restored from a checkpoint: may replace later snapshots
         self.checked = False  # the folder has been checked for another run's snapshots
         self._staging: Job | None = None  # the last snapshot's staging: wait_staged() waits
@@ -299,6 +300,7 @@ class Snapshots:
         wait_for = tracks[0]._updater.runner.job()
         index = self.next_index
         self.next_index += 1
+        self.last_step = t
         files, events = [], []
         for k, track in enumerate(tracks):
             entries, tensors = track._binding.table.entries, None

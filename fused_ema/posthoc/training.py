@@ -194,11 +194,22 @@ class PostHocEma(TrackSet):
     # ------------------------------------------------------------------ snapshots
 
     def save_snapshot(self) -> None:
-        """Writes a snapshot of every EMA now (besides the periodic ones)."""
+        """Writes a snapshot of every EMA now (besides the periodic ones); none where this update
+        count has one already."""
         if self.snapshot_dir is None:
             raise ValueError("PostHocEma.save_snapshot: this PostHocEma has no snapshot_dir")
         self._tracks[0].synchronize()
-        self._snapshots.take(self._tracks, self.gammas, self.step - self._update_after_step)
+        snapshots, t = self._snapshots, self.step - self._update_after_step
+        if t < 1:
+            raise ValueError(
+                f"PostHocEma.save_snapshot: no update has started the EMAs yet (update count {t}, "
+                f"update_after_step {self._update_after_step}): there is nothing to snapshot"
+            )
+        # A second snapshot of one step (the periodic one at the end of a run, say) would make
+        # the folder unusable: synthesis refuses a step that does not grow.
+        if t == snapshots.last_step or (snapshots.last_step is None and snapshots.due(t)):
+            return
+        snapshots.take(self._tracks, self.gammas, t)
 
     def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
         """fused_ema.posthoc.synthesize over this run's snapshots (once they are written)."""
@@ -238,6 +249,7 @@ class PostHocEma(TrackSet):
         # resumed from a checkpoint taken before snapshot `snapshot_index`: may replace later ones
         self._snapshots.next_index = int(state["snapshot_index"])
         self._snapshots.resumed, self._snapshots.checked, self._t = True, False, None
+        self._snapshots.last_step = None
 
     def __repr__(self) -> str:
         widths = ", ".join(f"{s:.3g}" for s in self.sigma_rels)
