@@ -109,6 +109,19 @@ def test_bad_input_exits_2_with_one_line(snapshots, tmp_path, capsys):
         assert "error:" in capsys.readouterr().err
 
 
+def test_a_plot_or_out_it_cannot_write_writes_nothing(snapshots, tmp_path, capsys):
+    """A --plot into a missing folder or of an unknown format failed only after --out was
+    written (exit status 2 with the EMA on disk); an --out naming a folder gave an os.replace
+    error about a temporary file."""
+    out, d = tmp_path / "ema.safetensors", str(snapshots)
+    for plot, match in ((tmp_path / "x" / "p.png", "no folder"), (tmp_path / "p.xyz", "xyz")):
+        bad([d, "--sigma-rel", "0.1", "--out", str(out), "--plot", str(plot)], capsys, match)
+        assert sorted(os.listdir(tmp_path)) == []
+    bad([d, "--sigma-rel", "0.1", "--out", str(tmp_path)], capsys, "--out", "is a folder")
+    bad([d, "--sigma-rel", "0.1", "--out", str(out), "--plot", str(tmp_path)], capsys, "--plot")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_as_a_module(snapshots, tmp_path):
     """The real entry point, in a process of its own: success, then bad input."""
     env = {

@@ -72,18 +72,38 @@ def plot_profiles(plan: Synthesis, path: Path) -> None:
     )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def check_plot_format(path: Path) -> None:
+    """Before any work: a --plot that matplotlib cannot draw fails after the synthesis (its
+    progress bar) otherwise."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if path.suffix and path.suffix[1:].lower() not in formats:
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write {path.suffix!r} files (it writes "
+            f"{', '.join(sorted(formats))})"
+        )
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     chosen = {name: getattr(args, name) for name in CHOSEN}
     try:
-        if not args.out.parent.is_dir():
-            raise FileNotFoundError(f"no folder {args.out.parent} to write --out into")
-        if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib)")
+        for option, path in (("--out", args.out), ("--plot", args.plot)):
+            if path is not None and not path.parent.is_dir():
+                raise FileNotFoundError(f"no folder {path.parent} to write {option} into")
+            if path is not None and path.is_dir():
+                raise IsADirectoryError(f"{option} {path} is a folder, not a file")
+        if args.plot is not None:
+            check_plot_format(args.plot)
         plan = solve_coefficients(args.snapshot_dir, **chosen)
         state = synthesize(
             args.snapshot_dir,
@@ -91,10 +111,10 @@ def main(argv=None) -> int:
             progress=importlib.util.find_spec("tqdm") is not None,
             **chosen,
         )
+        if args.plot is not None:  # first: a plot it cannot draw (a bad suffix) writes no --out
+            plot_profiles(plan, args.plot)
         metadata = {k: repr(getattr(plan, k)) for k in ("sigma_rel", "gamma", "step", "fit_error")}
         atomic_write(args.out, lambda tmp: save_file(state, tmp, metadata=metadata))
-        if args.plot is not None:
-            plot_profiles(plan, args.plot)
     except (SnapshotError, ValueError, TypeError, OSError) as err:
         message = " ".join(str(err).split())
         print(f"python -m fused_ema.posthoc: error: {message}", file=sys.stderr)
