@@ -207,6 +207,26 @@ def test_save_snapshot_at_a_step_that_has_one_keeps_the_folder_usable(tmp_path):
     assert len(list_snapshots(tmp_path / "b")) == 2
 
 
+def test_a_snapshot_interrupted_before_it_was_queued_can_be_taken_again(tmp_path, monkeypatch):
+    import fused_ema.posthoc.snapshots as snapshots
+    from fused_ema.posthoc import list_snapshots
+
+    model, metadata = net(), snapshots.snapshot_metadata
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
+    ph.update(model)
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(snapshots, "snapshot_metadata", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ph.update(model)
+    monkeypatch.setattr(snapshots, "snapshot_metadata", metadata)
+    ph.save_snapshot()
+    ph.close()
+    assert [(s.step, s.ema_index) for s in list_snapshots(tmp_path)] == [(2, 0), (2, 1)]
+
+
 def test_a_fresh_run_refuses_a_folder_with_another_runs_snapshots_and_changes_nothing(tmp_path):
     model = net()
     first = PostHocEma(model, (0.1,), snapshot_every=2, snapshot_dir=tmp_path)

@@ -265,7 +265,7 @@ class Snapshots:
         self.every = every
         self.dtype = dtype
         self.next_index = 0  # the index of the next snapshot
-        self.last_step: int | None = None  # the update count of the last one taken (None: unknown)
+        self.last_step: int | None = 0  # of the last snapshot taken (0: none; None: not known)
         self.resumed = False  # restored from a checkpoint: may replace later snapshots
         self.checked = False  # the folder has been checked for another run's snapshots
         self._staging: Job | None = None  # the last snapshot's staging: wait_staged() waits
@@ -300,7 +300,6 @@ class Snapshots:
         wait_for = tracks[0]._updater.runner.job()
         index = self.next_index
         self.next_index += 1
-        self.last_step = t
         files, events = [], []
         for k, track in enumerate(tracks):
             entries, tensors = track._binding.table.entries, None
@@ -332,6 +331,7 @@ class Snapshots:
                 events[-1].record(torch.cuda.current_stream(tensor.device))
             files.append((snapshot_path(self.folder, index, k), pinned, on_cpu, metadata))
         if not files:
+            self.last_step = t
             return
         self.raise_failure()
         self.wait_staged()
@@ -362,6 +362,7 @@ class Snapshots:
             self._written.append(writing)
             SNAPSHOTS.put(staging)
             SNAPSHOTS.put(writing)
+            self.last_step = t  # (not where interrupted: save_snapshot may take it again)
         except BaseException:
             # Interrupted: what the worker has not begun is taken back (a dropped staging makes
             # its write a no-op), so no staging is left that nobody will run.
