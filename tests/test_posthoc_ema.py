@@ -264,6 +264,35 @@ def test_a_resumed_run_continues_bit_for_bit_and_continues_the_numbering(tmp_pat
     assert names == [f"{i:06d}-ema{k}.safetensors" for i in range(4) for k in range(2)]
 
 
+def test_a_resumed_run_synthesizes_from_its_own_snapshots_only(tmp_path):
+    """The folder still holds the later snapshots of the run it resumed until it replaces them;
+    PostHocEma.synthesize used them (and their last step by default): another run's EMA."""
+    from fused_ema.posthoc import SnapshotError, list_snapshots, synthesize
+
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
+    with pytest.raises(SnapshotError, match="holds no snapshots of this run"):
+        ph.synthesize(0.1)
+    train(model, 4, lambda t: ph.update(model))
+    checkpoint, model_state = copy.deepcopy(ph.state_dict()), copy.deepcopy(model.state_dict())
+    train(model, 6, lambda t: ph.update(model), seed=3)
+    ph.close()
+    model.load_state_dict(model_state)
+    resumed = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
+    resumed.load_state_dict(checkpoint)
+    train(model, 2, lambda t: resumed.update(model), seed=4)  # other data: another EMA
+    assert max(s.step for s in list_snapshots(tmp_path)) == 10  # (the abandoned run's)
+    mine = [s for s in list_snapshots(tmp_path) if s.index < 3]
+    expected = synthesize(mine, sigma_rel=0.07)
+    got = resumed.synthesize(0.07)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    direct = resumed.emas[1].state_dict()["weights"]  # sigma_rel 0.1 at step 6: EMA 1 itself
+    for name, value in resumed.synthesize(0.1).items():
+        torch.testing.assert_close(value, direct[name], rtol=2e-3, atol=2e-3)
+    resumed.close()
+
+
 def test_a_damaged_checkpoint_is_refused_whole_and_changes_nothing():
     model = net()
     ph = PostHocEma(model, (0.05, 0.1))

@@ -213,12 +213,19 @@ class PostHocEma(TrackSet):
 
     def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
         """fused_ema.posthoc.synthesize over this run's snapshots (once they are written)."""
+        from .snapshots import SnapshotError, list_snapshots
         from .synthesis import synthesize
 
         if self.snapshot_dir is None:
             raise ValueError("PostHocEma.synthesize: this PostHocEma has no snapshot_dir")
         self.synchronize()
-        return synthesize(self.snapshot_dir, sigma_rel=sigma_rel, gamma=gamma, step=step)
+        # A resumed run's folder may still hold the later snapshots of the run it resumed (until
+        # it replaces them): they are not this run's, and the default step would be theirs.
+        taken = self._snapshots.next_index
+        mine = [s for s in list_snapshots(self.snapshot_dir) if s.index < taken]
+        if not mine:
+            raise SnapshotError(f"{self.snapshot_dir} holds no snapshots of this run yet")
+        return synthesize(mine, sigma_rel=sigma_rel, gamma=gamma, step=step)
 
     def close(self) -> None:
         """Waits until every snapshot taken is written; raises the first failure."""
