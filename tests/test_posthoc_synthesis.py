@@ -315,6 +315,25 @@ def test_a_damaged_snapshot_is_named(tmp_path):
         list_snapshots(tmp_path)
 
 
+def test_a_snapshot_storing_a_tensor_of_another_kind_than_its_dtype_is_named(tmp_path):
+    """Only floating-point tensors are stored in the snapshot dtype. A file storing a float under
+    an integer EMA dtype (or an integer under a float one) was cast (truncated to integers) or
+    averaged silently; write_snapshot wrote such a file."""
+    write(tmp_path, 0, 0, 10)
+    path = snapshot_path(tmp_path, 1, 0)
+    for ema_dtype, stored in ((torch.int64, torch.randn(3)), (torch.float32, torch.arange(3))):
+        meta = snapshot_metadata(index=1, ema_index=0, step=20, gamma=6.94, names=["w", "n"],
+                                 dtypes={"w": ema_dtype, "n": torch.int64})  # fmt: skip
+        tensors = {"w": stored, "n": torch.tensor(5)}
+        with pytest.raises(SnapshotError, match=r"000001-ema0\.safetensors: stored .*: w$"):
+            write_snapshot(path, tensors, meta)
+        assert not path.exists()
+        save_file(tensors, str(path), metadata=meta)
+        with pytest.raises(SnapshotError, match=r"000001-ema0\.safetensors: stored .*: w$"):
+            synthesize(tmp_path, sigma_rel=0.1)
+        path.unlink()
+
+
 # ---------------------------------------------------------------------------- writing
 
 

@@ -135,7 +135,8 @@ def write_snapshot(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[
     from safetensors.torch import save_file
 
     path = Path(path)
-    parse_metadata(path, dict(metadata), list(tensors))
+    _, _, dtypes, _ = parse_metadata(path, dict(metadata), list(tensors))
+    _check_kinds(path, dtypes, {n: t.is_floating_point() for n, t in tensors.items()})
     atomic_write(path, lambda tmp: save_file(dict(tensors), tmp, metadata=dict(metadata)))
 
 
@@ -246,11 +247,25 @@ def next_index(snapshot_dir) -> int:
     return max(found, default=-1) + 1
 
 
+def _check_kinds(path: Path, dtypes: Mapping[str, torch.dtype], stored: Mapping[str, bool]) -> None:
+    """Only floating-point tensors are stored in the snapshot dtype: one stored floating-point
+    whose EMA's dtype is not (or the reverse) is damaged (it would be cast or averaged)."""
+    wrong = sorted(n for n, floating in stored.items() if floating != dtypes[n].is_floating_point)
+    if wrong:
+        raise SnapshotError(
+            f"{path}: stored tensors whose kind (floating-point or not) is not that of the EMA's "
+            f"dtype its metadata gives: {', '.join(wrong[:5])}"
+        )
+
+
 @contextmanager
 def open_snapshot(info: SnapshotInfo) -> Iterator[SnapshotContents]:
     """The contents of a fused_ema snapshot, open while the context lasts (tensors read lazily)."""
     with _read(info.path) as (handle, (_, names, dtypes, averaged)):
-        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
+        slices = {name: handle.get_slice(name) for name in names}
+        stored = {name: t.get_dtype().startswith(("F", "BF")) for name, t in slices.items()}
+        _check_kinds(info.path, dtypes, stored)
+        shapes = {name: tuple(t.get_shape()) for name, t in slices.items()}
         yield SnapshotContents(names, dtypes, shapes, averaged, handle.get_tensor)
 
 
