@@ -284,10 +284,8 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch.equal, NaN equal to NaN: a tied weight that went NaN is still one tensor."""
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+    floating = a.is_floating_point()
+    return torch.equal(a, b) or (floating and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
 
 
 def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ def lerp_(
         op = torch.ops.fused_ema.lerp_.Tensor
     elif isinstance(weight, (float, int)):
         op = torch.ops.fused_ema.lerp_.default
-        if not isinstance(weight, bool):  # C++ refuses a bool by its type
+        if isinstance(weight, int) and not isinstance(weight, bool):  # C++ refuses a bool
             weight = _float(weight, _LERP_OP, "weight")
     else:
         raise TypeError(f"{_LERP_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")

@@ -58,24 +58,20 @@ def _build_module(ema, entries, model: nn.Module, dtype: torch.dtype | None) -> 
             memo[id(source)] = entry.ema
             devices.setdefault(source.device, entry.ema.device)
     for owner in model.modules():
-        skip = owner._non_persistent_buffers_set
-        for name, buffer in owner._buffers.items() if skip else ():
-            if buffer is None or name not in skip or id(buffer) in memo:
-                continue
-            device = devices.get(buffer.device, buffer.device)
-            if device == buffer.device:
-                memo[id(buffer)] = buffer
-            else:
-                moved = buffer.detach().to(device)
-                memo[id(buffer)] = moved.requires_grad_(buffer.requires_grad)
-    for owner in model.modules():
+        derived = owner._non_persistent_buffers_set
         for store in (owner._parameters, owner._buffers):
-            for t in store.values():
-                if t is None or id(t) in memo or t.is_meta:
+            for name, t in store.items():
+                if t is None or id(t) in memo:
                     continue
                 device = devices.get(t.device, t.device)
+                if store is owner._buffers and name in derived:  # the model's own, or one copy
+                    same = device == t.device
+                    memo[id(t)] = (
+                        t if same else t.detach().to(device).requires_grad_(t.requires_grad)
+                    )
+                    continue
                 to = average_dtype(t, dtype) if t.is_floating_point() else t.dtype
-                if (device, to) != (t.device, t.dtype):
+                if not t.is_meta and (device, to) != (t.device, t.dtype):
                     moved = t.detach().to(device=device, dtype=to)
                     param = isinstance(t, nn.Parameter)
                     memo[id(t)] = nn.Parameter(moved, t.requires_grad) if param else moved
