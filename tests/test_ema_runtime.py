@@ -382,6 +382,28 @@ def test_compiled_update_refuses_a_replaced_parameter_as_eager_does():
     assert ema.step == 4
 
 
+def test_compiled_update_refuses_a_python_step_as_eager_does():
+    # A bool, a float or an int beyond int64 is a ValueError with eager update's message, not a
+    # tracing error, and a bool is not taken as 1; nothing changes either way.
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.9, warmup=True)
+    ema.update(model, 1)
+    compiled = torch.compile(lambda s: ema.update(model, s), fullgraph=True, backend="aot_eager")
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    for bad in (True, 2.0, float("nan"), 2**63, "3"):
+        with pytest.raises(ValueError) as eager:
+            ema.update(model, bad)
+        torch._dynamo.reset()
+        with pytest.raises(ValueError) as traced:
+            compiled(bad)
+        assert str(traced.value) == str(eager.value)
+        assert ema.step == 1
+        for name, value in ema.state_dict()["weights"].items():
+            assert torch.equal(value, before[name]), name
+    compiled(2)
+    assert ema.step == 2
+
+
 def test_compiled_update_refuses_a_traced_walk_that_disagrees_with_the_c_walk(monkeypatch):
     # The traced walk is the Python form of the C walk; were they ever to differ (here: the same
     # items in another order), the compiled update refuses rather than averaging the wrong values.

@@ -28,15 +28,19 @@ def model_ema_update(
     step: Optional[torch.Tensor],  # noqa: UP045
     step_int: Optional[int],  # noqa: UP045
     key: int,
+    refusal: Optional[str] = None,  # noqa: UP045
 ) -> None:
     ema = _EMAS.get(key)
     if ema is None:
         raise RuntimeError("fused_ema: a compiled program updates a ModelEma that no longer exists")
+    if refusal is not None:  # a step eager update refuses (Updater.trace)
+        ema._updater.ready("update")
+        raise ValueError(refusal)
     ema._updater.update_traced(ema, values, step if step is not None else step_int)
     if step_state is not ema._schedule.step:  # a functional copy: carry the new count back
         step_state.copy_(ema._schedule.step)
 
 
 @model_ema_update.register_fake
-def _model_ema_update_fake(step_state, values, step, step_int, key) -> None:
+def _model_ema_update_fake(step_state, values, step, step_int, key, refusal=None) -> None:
     return None

@@ -18,6 +18,13 @@ from .._model.swap import Swap, check_writable
 from .._model.walk import tensor_walk, walk_agrees
 from . import prepared as prep
 from .nonblocking import AsyncRunner
+from .schedule import whole_number
+
+
+def _int64(step) -> bool:
+    """Whether the op's schema takes `step` as the int it is (the op checks its range), without
+    a guard on its value where dynamo made it dynamic."""
+    return type(step) is int and -(2**63) <= step < 2**63
 
 
 class _Declined(Exception):
@@ -208,7 +215,15 @@ class Updater:
         (see compiled.py) whose body, update_traced(), runs the same update on the live model."""
         walk = tensor_walk(model, self.binding.with_buffers)
         steps = (step, None) if isinstance(step, torch.Tensor) else (None, step)
-        torch.ops.fused_ema.model_ema_update(self.schedule.step, walk, *steps, key)
+        refusal = None
+        if not (step is None or isinstance(step, torch.Tensor) or _int64(step)):
+            # Checked while tracing, refused when the program runs: the schema would take True as
+            # 1 and fail on a float with a tracing error, where eager update raises ValueError.
+            try:
+                whole_number("step", step, 0)
+            except ValueError as error:
+                steps, refusal = (None, None), str(error)
+        torch.ops.fused_ema.model_ema_update(self.schedule.step, walk, *steps, key, refusal)
 
     def update_traced(self, ema, values: list, step) -> None:
         model = self.binding.model_ref()
