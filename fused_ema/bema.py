@@ -81,6 +81,7 @@ class Bema(TrackSet):
         self.options = o = check_bema_options(
             update_freq, ema_power, bias_power, lag, update_after, multiplier, min_ema_multiplier
         )
+        vars(self).update(o)  # TRL's attribute names: bema.update_freq...
         model = unwrap_model(model)
         tracks = tuple(
             ModelEma(
@@ -129,11 +130,6 @@ class Bema(TrackSet):
     def running_model(self) -> nn.Module:
         """TRL's name for `module`."""
         return self.module
-
-    def __getattr__(self, name: str):
-        if name in OPTIONS:
-            return self.__dict__["options"][name]
-        return super().__getattr__(name)
 
     def factors(self, step: int) -> tuple[float, float]:
         """(beta_t, alpha_t) of training step `step`, as TRL computes them."""

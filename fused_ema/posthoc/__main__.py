@@ -95,7 +95,6 @@ def check_plot_format(path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    chosen = {name: getattr(args, name) for name in CHOSEN}
     try:
         for option, path in (("--out", args.out), ("--plot", args.plot)):
             if path is not None and not path.parent.is_dir():
@@ -104,12 +103,13 @@ def main(argv=None) -> int:
                 raise IsADirectoryError(f"{option} {path} is a folder, not a file")
         if args.plot is not None:
             check_plot_format(args.plot)
-        plan = solve_coefficients(args.snapshot_dir, **chosen)
-        state = synthesize(
-            args.snapshot_dir,
+        plan = solve_coefficients(args.snapshot_dir, **{n: getattr(args, n) for n in CHOSEN})
+        state = synthesize(  # the plan's snapshots: the folder is listed once (a run may add more)
+            plan.snapshots,
+            gamma=plan.gamma,
+            step=plan.step,
             dtype=DTYPES.get(args.dtype),
             progress=importlib.util.find_spec("tqdm") is not None,
-            **chosen,
         )
         if args.plot is not None:  # first: a plot it cannot draw (a bad suffix) writes no --out
             plot_profiles(plan, args.plot)

@@ -72,11 +72,9 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
             break
         log_s = 0.5 * (math.log(gamma + 1.0) - math.log(gamma + 3.0)) - math.log(gamma + 2.0)
         step = (log_s - target) / slope
-        new = max(gamma - step, GAMMA_MIN)
-        if new == gamma or abs(step) <= 4 * math.ulp(gamma):
-            gamma = new
+        gamma, before = max(gamma - step, GAMMA_MIN), gamma
+        if gamma == before or abs(step) <= 4 * math.ulp(before):
             break
-        gamma = new
     return gamma
 
 

@@ -17,7 +17,8 @@ from .._update.schedule import POWER_FUNCTION, whole_number
 from ..checkpoint import _as_step
 from ..ema import ModelEma
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
-from .snapshots import Snapshots
+from .snapshots import SnapshotError, Snapshots, list_snapshots
+from .synthesis import synthesize
 
 _UINT64 = 2**64
 
@@ -48,7 +49,6 @@ class PostHocEma(TrackSet):
     """
 
     FORMAT = "fused_ema.posthoc"
-    FORMAT_VERSION = 1
     LEGACY_FORMATS = ("",)  # what releases before 2026-11-28 wrote
     NESTED = ("snapshot_index",)
 
@@ -213,9 +213,6 @@ class PostHocEma(TrackSet):
 
     def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
         """fused_ema.posthoc.synthesize over this run's snapshots (once they are written)."""
-        from .snapshots import SnapshotError, list_snapshots
-        from .synthesis import synthesize
-
         if self.snapshot_dir is None:
             raise ValueError("PostHocEma.synthesize: this PostHocEma has no snapshot_dir")
         self.synchronize()
