@@ -49,31 +49,6 @@ class Synthesis:
         return target, reconstructed
 
 
-def resolve_snapshots(
-    snapshot_dir, *, tracked_sigma_rels=None, tracked_gammas=None
-) -> list[SnapshotInfo]:
-    """The snapshots of a folder of fused_ema snapshots or of ema-pytorch checkpoints (told apart by
-    their file names; the latter need tracked_sigma_rels or tracked_gammas), or a list of
-    SnapshotInfo as it is."""
-    if not isinstance(snapshot_dir, (str, os.PathLike)):
-        return sorted(snapshot_dir)
-    snapshots = list_snapshots(snapshot_dir)  # (FileNotFoundError if there is no such folder)
-    if not any(migrate.NAME.match(e.name) for e in os.scandir(snapshot_dir)):
-        if tracked_sigma_rels is not None or tracked_gammas is not None:
-            raise ValueError(
-                "tracked_sigma_rels / tracked_gammas are for ema-pytorch folders only: fused_ema "
-                "snapshots record their own"
-            )
-        return snapshots
-    if snapshots:
-        raise SnapshotError(
-            f"{snapshot_dir} holds both fused_ema snapshots and ema-pytorch checkpoints"
-        )
-    return migrate.list_ema_pytorch_snapshots(
-        snapshot_dir, sigma_rels=tracked_sigma_rels, gammas=tracked_gammas
-    )
-
-
 def _check_history(snapshots: Sequence[SnapshotInfo]) -> None:
     """Each EMA's steps grow with the snapshot index; no two snapshots share step and gamma."""
     last: dict[int, SnapshotInfo] = {}
@@ -112,9 +87,23 @@ def solve_coefficients(
         gamma, sigma_rel = sigma_rel_to_gamma(sigma_rel), float(sigma_rel)  # checks sigma_rel
     else:
         sigma_rel, gamma = gamma_to_sigma_rel(gamma), float(gamma)  # checks gamma
-    snapshots = resolve_snapshots(
-        snapshot_dir, tracked_sigma_rels=tracked_sigma_rels, tracked_gammas=tracked_gammas
-    )
+    if not isinstance(snapshot_dir, (str, os.PathLike)):  # a list of SnapshotInfo
+        snapshots = sorted(snapshot_dir)
+    else:  # fused_ema's snapshots or ema-pytorch's checkpoints, told apart by their file names
+        snapshots = list_snapshots(snapshot_dir)  # (FileNotFoundError if there is no such folder)
+        if any(migrate.NAME.match(e.name) for e in os.scandir(snapshot_dir)):
+            if snapshots:
+                raise SnapshotError(
+                    f"{snapshot_dir} holds both fused_ema snapshots and ema-pytorch checkpoints"
+                )
+            snapshots = migrate.list_ema_pytorch_snapshots(
+                snapshot_dir, sigma_rels=tracked_sigma_rels, gammas=tracked_gammas
+            )
+        elif tracked_sigma_rels is not None or tracked_gammas is not None:
+            raise ValueError(
+                "tracked_sigma_rels / tracked_gammas are for ema-pytorch folders only: fused_ema "
+                "snapshots record their own"
+            )
     if not snapshots:
         raise SnapshotError(
             f"{snapshot_dir} holds no snapshots (files NNNNNN-emaK.safetensors, or ema-pytorch's "
