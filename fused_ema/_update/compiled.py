@@ -33,8 +33,9 @@ def model_ema_update(
     ema = _EMAS.get(key)
     if ema is None:
         raise RuntimeError("fused_ema: a compiled program updates a ModelEma that no longer exists")
-    if refusal is not None:  # a step eager update refuses (Updater.trace)
-        ema._updater.ready("update")
+    if refusal is not None:  # a step eager update refuses (Updater.trace), after the same waits
+        for track in (ema._updater, *ema._updater.followers):
+            track.ready("update")
         raise ValueError(refusal)
     ema._updater.update_traced(ema, values, step if step is not None else step_int)
     if step_state is not ema._schedule.step:  # a functional copy: carry the new count back
