@@ -148,6 +148,18 @@ def test_compensated_update_every_differs_from_plain():
         (dict(warmup=(0.0, 1.0)), "gamma and power must be positive"),
         (dict(update_every_decay="power"), "update_every_decay must be one of"),
         (dict(update_every_decay=None), "update_every_decay must be one of"),
+        # float() took these: a bool, a string, a tensor, bytes and a dict's keys as numbers
+        (dict(warmup=(True, 0.5)), "warmup gamma and power must be numbers"),
+        (dict(warmup=("2", "0.5")), "warmup gamma and power must be numbers"),
+        (dict(use_warmup=True, warmup_gamma=torch.tensor(2.0)), "gamma and power must be numbers"),
+        (dict(use_warmup=True, warmup_power=True), "gamma and power must be numbers"),
+        (dict(warmup=torch.tensor([1.0, 0.5])), "warmup must be False, True"),
+        (dict(warmup=b"ab"), "warmup must be False, True"),
+        (dict(warmup={1.0: 0, 2.0: 0}), "warmup must be False, True"),
+        # taken by its truth value before
+        (dict(use_warmup="no"), "use_warmup must be True, False or None, got 'no'"),
+        (dict(use_warmup=1), "use_warmup must be True, False or None"),
+        (dict(use_warmup=torch.tensor(False)), "use_warmup must be True, False or None"),
     ],
 )
 def test_bad_schedule_options_are_named(kwargs, message):

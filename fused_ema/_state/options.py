@@ -43,6 +43,8 @@ def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: st
     decay, min_decay, update_after_step, update_every, update_every_decay = schedule
     device, dtype, names, shard = policy
     if use_warmup is not None:
+        if not isinstance(use_warmup, bool):  # "no" or a tensor would be taken by its truth
+            raise ValueError(f"use_warmup must be True, False or None, got {use_warmup!r}")
         if warmup is not False:
             raise ValueError(
                 f"give either warmup={warmup!r} or timm's use_warmup={use_warmup!r}, not both"

@@ -114,10 +114,12 @@ def check_options(
         if warmup not in RAMP_WARMUPS:
             raise ValueError(wrong)
     else:
-        try:
-            gamma, power = (float(v) for v in warmup)
-        except (TypeError, ValueError):
-            raise ValueError(wrong) from None
+        # Numbers only: float() would also take "2", True, a tensor or the keys of a dict.
+        if not (isinstance(warmup, (tuple, list)) and len(warmup) == 2):
+            raise ValueError(wrong)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in warmup):
+            raise ValueError(f"warmup gamma and power must be numbers, got {warmup!r}")
+        gamma, power = (float(v) for v in warmup)
         if not (0 < gamma < math.inf and 0 < power < math.inf):
             raise ValueError(f"warmup gamma and power must be positive and finite, got {warmup!r}")
         warmup = (gamma, power)
