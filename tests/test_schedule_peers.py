@@ -128,6 +128,33 @@ def test_ema_pytorch_plain_update_every(every, after):
             torch.testing.assert_close(weights[name], expected, rtol=2e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("version", ["ModelEmaV2", "ModelEma"])
+def test_timm_v2_from_construction_with_step_one(version):
+    # timm's ModelEma/ModelEmaV2 average from their first update on (docs/migrating.md): with
+    # ema.step = 1 so does ModelEma, whose first update otherwise copies the model.
+    timm = peer(peer_access.load_timm_model_ema)
+    torch.manual_seed(random.randrange(2**31))
+    model = small_mlp(torch.float64)
+    theirs = getattr(timm, version)(model, decay=0.9)
+    ours = fused_ema.ModelEma(model, 0.9)
+    copying = fused_ema.ModelEma(model, 0.9)
+    ours.step = 1
+    for _ in range(60):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        theirs.update(model)
+        ours.update(model)
+        copying.update(model)
+    inner = theirs.ema if version == "ModelEma" else theirs.module
+    weights = ours.state_dict()["weights"]
+    for name, expected in inner.state_dict().items():
+        if expected.is_floating_point():
+            torch.testing.assert_close(weights[name], expected, rtol=1e-12, atol=1e-12, msg=name)
+    # d ** 59 of the first step's difference: still visible in float64
+    assert not torch.allclose(copying.state_dict()["weights"]["0.weight"], inner[0].weight)
+
+
 def test_compensated_update_every_differs_from_plain():
     # The default keeps the average of updating every step: decay ** k per update.
     model = small_mlp()
