@@ -155,6 +155,27 @@ def test_timm_v2_from_construction_with_step_one(version):
     assert not torch.allclose(copying.state_dict()["weights"]["0.weight"], inner[0].weight)
 
 
+def test_torch_ema_without_num_updates_with_step_one():
+    # use_num_updates=False: a constant decay from the first update on, which averages too
+    # (docs/migrating.md: warmup=False, then ema.step = 1).
+    torch_ema = peer(peer_access.load_torch_ema)
+    torch.manual_seed(random.randrange(2**31))
+    model = small_mlp(torch.float64)
+    theirs = torch_ema.ExponentialMovingAverage(model.parameters(), 0.9, use_num_updates=False)
+    ours = fused_ema.ModelEma(model, 0.9, warmup=False, buffers="ignore")
+    ours.step = 1
+    for _ in range(40):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        theirs.update()
+        ours.update(model)
+    weights = ours.state_dict()["weights"]
+    names = [n for n, _ in model.named_parameters()]
+    for name, shadow in zip(names, theirs.shadow_params):
+        torch.testing.assert_close(weights[name], shadow, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_compensated_update_every_differs_from_plain():
     # The default keeps the average of updating every step: decay ** k per update.
     model = small_mlp()
