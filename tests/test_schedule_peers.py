@@ -208,6 +208,10 @@ def test_compensated_update_every_differs_from_plain():
         (dict(use_warmup="no"), "use_warmup must be True, False or None, got 'no'"),
         (dict(use_warmup=1), "use_warmup must be True, False or None"),
         (dict(use_warmup=torch.tensor(False)), "use_warmup must be True, False or None"),
+        # warmup=True used (1, 2/3) whatever timm's warmup_gamma / warmup_power said
+        (dict(warmup=True, warmup_gamma=10.0), r"warmup_gamma=10.0 .* use_warmup=True"),
+        (dict(warmup="diffusers", warmup_power=0.5), "give warmup=\\(gamma, power\\)"),
+        (dict(warmup=(2.0, 0.5), warmup_gamma=2.0), "warmup_gamma=2.0 and warmup_power="),
     ],
 )
 def test_bad_schedule_options_are_named(kwargs, message):

@@ -10,7 +10,7 @@ from .._dist.shard import resolve
 from .._ext.op_meta import SUPPORTED_DTYPE_PAIRS
 from .._model.name_filters import name_filters
 from .._model.tracking import EntryPolicy
-from .._update.schedule import check_options, check_rounding
+from .._update.schedule import DEFAULT_WARMUP, check_options, check_rounding
 
 BUFFER_MODES = ("average", "copy", "ignore")
 MISMATCH_MODES = ("error", "resync")
@@ -25,6 +25,11 @@ def check_ema_dtype(dtype, what: str) -> None:
         raise ValueError(
             f"{what} must be a floating dtype the fused kernels average ({names}), got {dtype!r}"
         )
+
+
+def _timm_defaults(warmup_gamma, warmup_power) -> bool:
+    pairs = zip((warmup_gamma, warmup_power), DEFAULT_WARMUP)
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == d for v, d in pairs)
 
 
 def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: str) -> tuple:
@@ -50,6 +55,16 @@ def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: st
                 f"give either warmup={warmup!r} or timm's use_warmup={use_warmup!r}, not both"
             )
         warmup = (warmup_gamma, warmup_power) if use_warmup else False
+    elif (
+        warmup is not False
+        and warmup is not None
+        and not _timm_defaults(warmup_gamma, warmup_power)
+    ):
+        # warmup=True or a ramp of its own would drop them silently
+        raise ValueError(
+            f"warmup_gamma={warmup_gamma!r} and warmup_power={warmup_power!r} go with timm's "
+            f"use_warmup=True; with warmup={warmup!r}, give warmup=(gamma, power) instead"
+        )
     if exclude_buffers:
         if buffers == "ignore":
             raise ValueError(
