@@ -240,6 +240,28 @@ def test_schedule_attributes_can_be_set_and_refuse_bad_values():
             setattr(ema, name, getattr(ema, name))
 
 
+def test_update_every_can_be_set_and_applies_from_the_next_update():
+    model = trained(small_mlp(), 2)
+    ema = fused_ema.ModelEma(model, 0.9)
+    ema.update(model, step=1)  # copies the model
+    ema.update_every = 3
+    assert ema.update_every == 3 and ema.state_dict()["schedule"]["update_every"] == 3
+    for bad in (0, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="update_every"):
+            ema.update_every = bad
+        assert ema.update_every == 3
+    expected = {k: v.double() for k, v in ema.module.state_dict().items()}
+    for step in range(2, 8):
+        trained(model, 1, seed=step)
+        ema.update(model, step=step)
+        if step in (4, 7):  # steps 1, 1 + k, 1 + 2k, ... with decay ** k (compensated)
+            for name, value in model.state_dict().items():
+                expected[name] = expected[name] * 0.9**3 + value.double() * (1 - 0.9**3)
+        for name, value in ema.module.state_dict().items():
+            if value.is_floating_point():  # integer buffers are copied
+                torch.testing.assert_close(value.double(), expected[name])
+
+
 def test_decay_can_be_set_as_on_timm_and_is_checked_first():
     timm = timm_model_ema()
     model = trained(small_mlp(), 2)

@@ -44,6 +44,15 @@ class TimmAttributes:
         self._set_option("update_after_step", value)
 
     @property
+    def update_every(self) -> int:
+        """Updates apply on every k-th step (see ModelEma's update_every). Settable, as decay is."""
+        return self._schedule.options["update_every"]
+
+    @update_every.setter
+    def update_every(self, value) -> None:
+        self._set_option("update_every", value)
+
+    @property
     def use_warmup(self) -> bool:
         """Whether the warmup is timm's (gamma, power) ramp (the other ramps read False)."""
         return isinstance(self._warmup_pair(), tuple)
