@@ -10,7 +10,7 @@ class StructureMismatchError(RuntimeError):
     def __init__(self, added=(), removed=(), reshaped=(), replaced=(), hint: str = "", renamed=()):
         self.added, self.removed = list(added), list(removed)
         self.reshaped, self.replaced = list(reshaped), list(replaced)
-        self.renamed = list(renamed)
+        self.renamed, self.hint = list(renamed), hint
         lines = ["the model's tensors no longer match this EMA's (nothing was changed):"]
         for label, items in (
             ("added", self.added),
@@ -28,17 +28,27 @@ class StructureMismatchError(RuntimeError):
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.reshaped or self.replaced or self.renamed)
 
+    def __reduce__(self):
+        # Exception's own rebuilds from args (the message), which read as a list of added names:
+        # pickling (multiprocessing, a spawned rank) and deepcopy rebuild from the lists instead.
+        lists = (self.added, self.removed, self.reshaped, self.replaced)
+        return type(self), (*lists, self.hint, self.renamed), self.__dict__
+
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be loaded into this EMA. Lists every problem; the EMA is unchanged."""
 
     def __init__(self, problems: list[str], source: str = "checkpoint"):
-        self.problems = list(problems)
+        self.problems, self.source = list(problems), source
         listing = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(
             f"cannot load {source} into this EMA ({len(self.problems)} problem"
             f"{'s' if len(self.problems) != 1 else ''}; the EMA was not changed):\n{listing}"
         )
+
+    def __reduce__(self):
+        # As StructureMismatchError's: rebuilt from the problems, not from the message.
+        return type(self), (self.problems, self.source), self.__dict__
 
 
 class PrecisionWarning(UserWarning):

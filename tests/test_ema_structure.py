@@ -2,6 +2,9 @@
 replaced tensors raise one error listing them all (on_mismatch="error") or are followed
 ("resync"). swapped() and copy_to() match by name and restore even when the block raises."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -396,3 +399,34 @@ def test_a_resync_under_inference_mode_leaves_tensors_later_updates_can_write():
             assert torch.allclose(ema.state_dict()["weights"][name], expected), name
     ema.train()
     ema.module(torch.randn(4, 6))  # BatchNorm writes the statistics the EMA leaves out
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_the_errors_survive_pickling_and_copies(how):
+    # Exception pickling rebuilt them from their message, read as the list of names (or problems):
+    # an error sent from a spawned rank or worker listed every character of the text.
+    def again(err):
+        return pickle.loads(pickle.dumps(err)) if how == "pickle" else copy.deepcopy(err)
+
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, 0.9)
+    model[0] = nn.Linear(model[0].in_features, 7)
+    with pytest.raises(fused_ema.StructureMismatchError) as raised:
+        ema.update(model)
+    err, back = raised.value, again(raised.value)
+    assert type(back) is fused_ema.StructureMismatchError and str(back) == str(err)
+    assert (back.added, back.removed, back.reshaped, back.replaced, back.renamed) == (
+        err.added,
+        err.removed,
+        err.reshaped,
+        err.replaced,
+        err.renamed,
+    )
+    assert back.reshaped and bool(back)
+    state = fused_ema.ModelEma(small_mlp(), 0.9).state_dict()
+    state["weights"] = {k + "_x": v for k, v in state["weights"].items()}
+    with pytest.raises(fused_ema.CheckpointError) as raised:
+        fused_ema.ModelEma(small_mlp(), 0.9).load_state_dict(state)
+    err, back = raised.value, again(raised.value)
+    assert type(back) is fused_ema.CheckpointError and str(back) == str(err)
+    assert back.problems == err.problems and len(back.problems) >= 2
