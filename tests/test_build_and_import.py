@@ -1,6 +1,7 @@
 """build_info() reports what was compiled; importing fused_ema without its compiled kernels
 fails with an ImportError that says how to build, never with a silent fallback."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -98,3 +99,26 @@ def test_import_without_compiled_kernels_says_how_to_build(tmp_path):
     assert result.returncode != 0
     assert "ImportError" in result.stderr
     assert "pip install --no-build-isolation" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code"), [([], 0), (["--short"], 0), (["--help"], 0), (["--bogus"], 2), (["x"], 2)]
+)
+def test_the_command_line_prints_build_info_and_refuses_other_arguments(args, code, capsys):
+    # Every argument but --short was ignored: --help and typos printed the JSON with status 0.
+    from fused_ema.__main__ import main
+
+    try:
+        result = main(args)
+    except SystemExit as stop:  # argparse's --help and usage errors
+        result = stop.code
+    out, err = capsys.readouterr()
+    assert result == code, err
+    if code == 2:
+        assert out == "" and f"unrecognized arguments: {args[0]}" in err
+    elif args == ["--help"]:
+        assert out.startswith("usage: python -m fused_ema") and "--short" in out
+    elif args == ["--short"]:
+        assert out.startswith(f"fused_ema {fused_ema.__version__} (torch ") and "\n" not in out[:-1]
+    else:
+        assert json.loads(out) == json.loads(json.dumps(fused_ema.build_info()))
