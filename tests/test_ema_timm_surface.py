@@ -700,6 +700,14 @@ def test_an_ema_no_update_could_run_is_refused_when_built(kwargs):
         assert weights(ema)["0.weight"].dtype == dtype
 
 
+@pytest.mark.parametrize("device", ["gpu", "cpu:x", 3.5, [], object()])
+def test_a_bad_device_is_an_error_naming_the_argument(device):
+    # torch.device's own RuntimeError or TypeError reached the caller, naming no argument.
+    with pytest.raises(ValueError, match=r"^device must be None, a torch.device or a device") as e:
+        fused_ema.ModelEma(small_mlp(), 0.8, device=device)
+    assert f"got {device!r}" in str(e.value)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_to_cuda_and_back():
     model = trained(small_mlp(), 2)

@@ -83,7 +83,14 @@ def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: st
     )
     checked_rounding = check_rounding(*rounding)
     filters = name_filters(*names)
-    where = torch.device(device) if device is not None else None
+    try:
+        where = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError) as err:  # torch's own message does not name the argument
+        why = f" ({' '.join(str(err).split())})" if isinstance(device, str) else ""
+        raise ValueError(
+            f"device must be None, a torch.device or a device string such as 'cpu' or 'cuda:1', "
+            f"got {device!r}{why}"
+        ) from None
     if where is not None and where.type == "meta":
         raise ValueError("device='meta' would drop the average: the EMA holds values")
     entry_policy = EntryPolicy(where, dtype, buffers, *filters, resolve(shard))
