@@ -379,8 +379,10 @@ class ModelEma(TimmAttributes, nn.Module):
         """
         self._ready("stats")
         model = unwrap_model(model) if model is not None else None
+        options = self._schedule.options
+        every = options["update_every"] if options["update_every_decay"] == "compensated" else 1
         return ema_stats(
-            self._binding.table.entries, self.step, self.current_decay, self.decay, model
+            self._binding.table.entries, self.step, self.current_decay, self.decay, model, every
         )
 
     def full_state_dict(self, rank: int | None = 0, cpu_offload: bool = True) -> dict:

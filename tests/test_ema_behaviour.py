@@ -499,6 +499,34 @@ def test_stats_report_distance_window_and_non_finite():
     assert ema.stats(model)["ema_nan"] == 1 and ema.stats(model)["model_nan"] == 1
 
 
+@pytest.mark.parametrize(("every", "how"), [(1, "compensated"), (20, "compensated"), (20, "plain")])
+def test_stats_unchanged_fraction_is_what_the_next_update_leaves_unchanged(every, how):
+    # With update_every=k the fraction was measured with 1 - decay, not the 1 - decay ** k an
+    # update applies: a bf16 EMA that moved on most elements read as stalled.
+    torch.manual_seed(7)
+    model = nn.Linear(48, 48)
+    ema = fused_ema.ModelEma(
+        model,
+        decay=0.995,
+        dtype=torch.bfloat16,
+        stochastic_rounding=False,  # rounded to nearest: the next update's result is determined
+        update_every=every,
+        update_every_decay=how,
+    )
+    ema.update(model, step=1)
+    for step in (1 + every, 1 + 2 * every):
+        with torch.no_grad():
+            model.weight.add_(torch.randn_like(model.weight), alpha=0.3)
+            model.bias.add_(torch.randn_like(model.bias), alpha=0.3)
+        predicted = ema.stats(model)["unchanged_fraction"]
+        before = [t.clone() for t in (ema.module.weight, ema.module.bias)]
+        ema.update(model, step=step)
+        after = (ema.module.weight, ema.module.bias)
+        same = sum(int((a == b).sum()) for a, b in zip(after, before))
+        assert predicted == same / sum(b.numel() for b in before)
+        assert 0.0 < predicted < 1.0
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -7,10 +7,14 @@ import math
 from .._dist.dtensor import local, sharding
 from .._ext.grad import without_grad
 from .._model.walk import named_tensors
-from ..ops import lerp_
+from ..ops import SUPPORTED_DTYPE_PAIRS, lerp_
 
 
-def ema_stats(entries, step: int, decay: float, configured_decay: float, model=None) -> dict:
+def ema_stats(
+    entries, step: int, decay: float, configured_decay: float, model=None, every: int = 1
+) -> dict:
+    """`every`: the power of the per-step decay an averaging update applies (update_every=k,
+    compensated: decay ** k, the weight unchanged_fraction is measured with)."""
     averaged = [e for e in entries if e.average]
     stats = {
         "step": step,
@@ -27,7 +31,7 @@ def ema_stats(entries, step: int, decay: float, configured_decay: float, model=N
     by_name = {n for e in entries for n in e.names}
     current = {n: t for t in named_tensors(model, True) for n in t.names}
     stats["untracked"] = sum(1 for n in current if n not in by_name)
-    weight = 1.0 - (decay or configured_decay)
+    weight = 1.0 - (decay or configured_decay) ** every
     diff2, ref2, unchanged, total = without_grad(_compared, averaged, current, weight)
     stats["model_nan"] = sum(
         int(local(t.tensor).isnan().sum()) for t in current.values() if t.tensor.is_floating_point()
@@ -51,7 +55,9 @@ def _compared(averaged, current: dict, weight: float) -> tuple:
         diff2 += float((ema.double() - src.double()).square().sum())
         ref2 += float(src.double().square().sum())
         moved = ema.clone()
-        lerp_([moved], [src.to(ema.dtype)], weight)
+        if (ema.dtype, src.dtype) not in SUPPORTED_DTYPE_PAIRS:  # as the update stages it
+            src = src.to(ema.dtype)
+        lerp_([moved], [src], weight)
         unchanged += int((moved == ema).sum())
         total += ema.numel()
     return diff2, ref2, unchanged, total
