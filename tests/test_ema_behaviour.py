@@ -477,6 +477,24 @@ def test_wrappers_bind_to_the_same_names():
     assert "head.weight" in plain and "embed.weight" in plain
 
 
+@pytest.mark.parametrize("bad", [None, 5, "model", torch.ones(3)])
+def test_a_model_that_is_not_a_module_is_a_type_error_that_changes_nothing(bad):
+    # It was an AttributeError ("'int' object has no attribute '__dict__'") naming no argument.
+    torch.manual_seed(8)
+    model = small_mlp()
+    with pytest.raises(TypeError, match="must be an nn.Module, got "):
+        fused_ema.ModelEma(bad)
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    calls = [ema.update, ema.resync, ema.set, ema.copy_to] + [ema.stats] * (bad is not None)
+    for call in calls:  # stats(None): the stats without a model
+        with pytest.raises(TypeError, match=type(bad).__name__):
+            call(bad)
+    assert ema.step == 1
+    assert all(torch.equal(ema.state_dict()["weights"][k], v) for k, v in before.items())
+
+
 def test_stats_report_distance_window_and_non_finite():
     torch.manual_seed(6)
     model = small_mlp()

@@ -26,6 +26,8 @@ _PARALLEL_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module inside DDP / DataParallel / DeepSpeed engine / torch.compile wrappers (any
     nesting)."""
+    if not isinstance(model, nn.Module):  # else an AttributeError on its __dict__, naming nothing
+        raise TypeError(f"fused_ema: the model must be an nn.Module, got {type(model).__name__}")
     while True:
         if isinstance(model, _PARALLEL_WRAPPERS) or _is_deepspeed_engine(model):
             model = model.module
