@@ -375,7 +375,8 @@ class ModelEma(TimmAttributes, nn.Module):
 
         With `model`: the relative distance ||ema - model|| / ||model|| over averaged tensors, and
         the fraction of averaged elements that an update with the latest weight would leave
-        unchanged because the change rounds away (near 1.0: the EMA has stopped moving).
+        unchanged because the change rounds away (near 1.0: the EMA has stopped moving), counted
+        with round to nearest: stochastic rounding still moves some of them, by chance.
         """
         self._ready("stats")
         model = unwrap_model(model) if model is not None else None
