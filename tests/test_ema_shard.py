@@ -105,11 +105,36 @@ def test_dcp_from_an_unsharded_ema_into_a_sharded_one(tmp_path):
         assert r["differs"] == [] and r["sharded"] and r["expected_step"] == 7
 
 
-def test_a_sharded_state_dict_of_another_world_size_fails_clearly_without_dcp(tmp_path):
-    torchrun("dcp_save", tmp_path, 4)
-    for r in torchrun("plain_load", tmp_path, 2, "4"):
-        assert r["error"] is not None and "torch.distributed.checkpoint" in r["error"], r
-        assert r["unchanged"] and r["step"] == 0
+@pytest.mark.parametrize(("saved", "loaded"), [(4, 2), (1, 2)])
+def test_a_sharded_state_dict_of_another_world_size_fails_clearly_without_dcp(
+    saved, loaded, tmp_path
+):
+    torchrun("dcp_save", tmp_path, saved)
+    for r in torchrun("plain_load", tmp_path, loaded, str(saved)):
+        for outcome in (r, r["unsharded"]):
+            error = outcome["error"]
+            assert error is not None and error.startswith("ValueError"), outcome
+            assert (
+                f"sharded over {saved} ranks" in error and "torch.distributed.checkpoint" in error
+            )
+            assert outcome["unchanged"] and outcome["step"] == 0
+
+
+def test_a_group_rank_or_state_dict_no_rank_can_use_fails_alike_with_nothing_changed(tmp_path):
+    ranks = torchrun("misuse", tmp_path, 2)
+    for rank, r in enumerate(ranks):
+        assert r["other_group"].startswith("ValueError") and "not part of" in r["other_group"]
+        bad = r["bad_rank"]
+        assert bad["2"].startswith("ValueError") and "rank=2" in bad["2"], bad
+        assert bad["-1"].startswith("ValueError") and "0 to 1" in bad["-1"], bad
+        assert bad["'0'"].startswith("TypeError") and bad["True"].startswith("TypeError"), bad
+        assert r["full_after"]
+        for kind in ("sharded", "unsharded"):
+            error = r[kind]["error"]
+            assert error is not None and error.startswith("ValueError"), (kind, error)
+            assert f"rank [{1 - rank}]" in error and "rank that saved it" in error, error
+            assert r[kind]["unchanged"] and r[kind]["step"] == 0, (kind, r[kind])
+    assert ranks[0]["bad_rank"] == ranks[1]["bad_rank"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

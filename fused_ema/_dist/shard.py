@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,13 @@ def resolve(shard) -> ShardSpec | None:
     if shard is False or shard is None:
         return None
     kind = "ProcessGroup" if shard is True else type(shard).__name__
+    if type(shard) is int and dist.is_available() and shard == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group() returns on the ranks it leaves out.
+        raise ValueError(
+            "fused_ema: shard= names a process group this rank is not part of (dist.new_group() "
+            "returned GroupMember.NON_GROUP_MEMBER here); build the sharded EMA on the group's "
+            "ranks only, with that group"
+        )
     if kind not in ("ProcessGroup", "DeviceMesh"):
         raise TypeError(
             "fused_ema: shard must be False, True (the default process group), a ProcessGroup or "
@@ -275,7 +283,27 @@ def gather_full(entries, rank, cpu_offload: bool, replicated: bool = False) -> d
     """ema.full_state_dict(): whole, plain tensors by name; a DTensor is all-gathered (every rank
     must call), and only `rank` keeps the result (rank=None: every rank). `replicated`: the
     sharded EMA of a replicated model, gathered in buckets of its flat buffers."""
+    _check_rank(rank)
     return without_grad(_gather_full, entries, rank, cpu_offload, replicated)
+
+
+def _check_rank(rank) -> None:
+    """Refuses a `rank` no process could be (every rank raises alike, before any collective):
+    each would silently get {}."""
+    if rank is None:
+        return
+    if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
+        raise TypeError(
+            f"fused_ema: full_state_dict(rank=...) takes None or an int, got {type(rank).__name__}"
+        )
+    rank = operator.index(rank)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if rank < 0 or world is not None and rank >= world:
+        within = f"0 to {world - 1}" if world is not None else "0 or more"
+        raise ValueError(
+            f"fused_ema: full_state_dict(rank={rank}) names no process: the ranks are {within} "
+            "(rank=None keeps the result on every rank)"
+        )
 
 
 def _gather_full(entries, rank, cpu_offload: bool, replicated: bool) -> dict:

@@ -97,11 +97,14 @@ def check_resharding(pairs) -> None:
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for name, value, target in pairs:
-        if not is_dtensor(value):
-            continue
-        theirs = value.device_mesh.size()
+        if not is_dtensor(value) or value is target or same_memory(local(value), local(target)):
+            continue  # (the EMA's own tensors, which dcp.load filled in place, are its shards)
+        mesh = value.device_mesh
+        theirs = mesh.size()
         ours = target.device_mesh.size() if is_dtensor(target) else world
-        if theirs != ours if is_dtensor(target) else theirs > world:
+        # A mesh torch.load rebuilt in a job of another size takes groups of this job's size.
+        foreign = any(mesh.get_group(d).size() != mesh.size(d) for d in range(mesh.ndim))
+        if foreign or (theirs != ours if is_dtensor(target) else theirs > world):
             here = "this EMA is sharded over" if is_dtensor(target) else "this job has"
             raise ValueError(
                 f"fused_ema: {name or 'a tensor'} is a DTensor sharded over {theirs} ranks "
@@ -109,6 +112,16 @@ def check_resharding(pairs) -> None:
                 "checkpoint saved at another world size is resharded by torch.distributed."
                 "checkpoint (state = ema.state_dict(); dcp.load(state, checkpoint_id=...); "
                 "ema.load_state_dict(state)), not by torch.save/torch.load; nothing was loaded"
+            )
+        # torch.load rebuilds a mesh with the coordinate of the rank that saved it.
+        saved = mesh.get_coordinate()
+        here = tuple(dist.get_rank(mesh.get_group(d)) for d in range(mesh.ndim))
+        if saved is not None and tuple(saved) != here:
+            raise ValueError(
+                f"fused_ema: {name or 'a tensor'} is the shard of rank {list(saved)} of its "
+                f"DTensor's mesh, and this process is {list(here)} there: torch.save of a rank's "
+                "state_dict() reloads only on the rank that saved it (torch.distributed."
+                "checkpoint reloads on any); nothing was loaded"
             )
 
 

@@ -258,18 +258,69 @@ def dcp_load(out: Path, rank: int, world: int, checkpoint: str) -> dict:
 
 
 def plain_load(out: Path, rank: int, world: int, saved_world: str) -> dict:
-    """torch.load of a sharded state dict saved at another world size: a clear error."""
-    ema = fused_ema.ModelEma(ddp_model(), shard=True, **SETTINGS)
-    before = {k: v.to_local().clone() for k, v in ema.state_dict()["weights"].items() if v.dim()}
+    """torch.load of a sharded state dict saved at another world size, into a sharded EMA and
+    into an unsharded one: a clear error."""
+    saved_rank = min(rank, int(saved_world) - 1)  # a smaller job: its last rank's file
+    result = {}
+    for kind, shard_with in (("sharded", True), ("unsharded", False)):
+        state = torch.load(out / f"plain{saved_world}_rank{saved_rank}.pt", weights_only=False)
+        result[kind] = _load_outcome(
+            fused_ema.ModelEma(ddp_model(), shard=shard_with, **SETTINGS), state
+        )
+    return {**result["sharded"], "unsharded": result["unsharded"]}
+
+
+def _load_outcome(ema, state) -> dict:
+    """ema.load_state_dict(state): its error (as text) and whether the EMA stayed as it was."""
+    before = {
+        k: v.to_local().clone() if isinstance(v, DTensor) else v.clone()
+        for k, v in ema.state_dict()["weights"].items()
+    }
     try:
-        state = torch.load(out / f"plain{saved_world}_rank{rank}.pt", weights_only=False)
         ema.load_state_dict(state)
         error = None
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
-    after = {k: v.to_local() for k, v in ema.state_dict()["weights"].items() if v.dim()}
+    after = {
+        k: v.to_local() if isinstance(v, DTensor) else v
+        for k, v in ema.state_dict()["weights"].items()
+    }
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     return {"error": error, "unchanged": unchanged, "step": ema.step}
+
+
+def misuse(out: Path, rank: int, world: int) -> dict:
+    """Arguments no rank can use: a group without this rank, a rank= naming no process,
+    another rank's torch.save'd state dict. Each fails alike on every rank, with nothing
+    changed and no hang."""
+    result = {}
+    model = ddp_model().module
+    groups = [dist.new_group(ranks=[r]) for r in range(world)]
+    try:
+        fused_ema.ModelEma(model, shard=groups[(rank + 1) % world], **SETTINGS)
+        result["other_group"] = None
+    except Exception as err:
+        result["other_group"] = f"{type(err).__name__}: {err}"
+    ema = fused_ema.ModelEma(model, shard=True, **SETTINGS)
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+        ema.update(model, step=step)
+    result["bad_rank"] = {}
+    for bad in (world, -1, "0", True):
+        try:
+            result["bad_rank"][repr(bad)] = f"returned {len(ema.full_state_dict(rank=bad))}"
+        except Exception as err:
+            result["bad_rank"][repr(bad)] = f"{type(err).__name__}: {err}"
+    result["full_after"] = len(ema.full_state_dict(rank=0)) == len(ema.names()) or rank != 0
+    torch.save(ema.state_dict(), out / f"misuse_rank{rank}.pt")
+    dist.barrier()
+    other = (rank + 1) % world
+    for kind, shard_with in (("sharded", True), ("unsharded", False)):
+        state = torch.load(out / f"misuse_rank{other}.pt", weights_only=False)
+        result[kind] = _load_outcome(fused_ema.ModelEma(model, shard=shard_with, **SETTINGS), state)
+    return result
 
 
 class Grown(ShardNet):
@@ -365,6 +416,7 @@ SCENARIOS = {
     "plain_load": plain_load,
     "structure": structure,
     "bad_replica": bad_replica,
+    "misuse": misuse,
 }
 
 
