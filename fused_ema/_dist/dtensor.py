@@ -180,5 +180,6 @@ def refuse_unsharded(by_name: dict, tracked, replicated=None) -> None:
             f"{len(names)} sharded tensors of the model are unsharded right now (e.g. "
             f"{names[0]}): an FSDP2 model between forward and backward, or after an "
             "evaluation forward. Update the EMA after optimizer.step(), or call "
-            "model.reshard() first."
+            "model.reshard() first. A model that is not sharded at all takes the EMA's values "
+            "from model.load_state_dict(ema.full_state_dict(rank=None))."
         )
