@@ -316,19 +316,28 @@ def _filter_problems(saved, policy) -> list[str]:
 
 
 def prepare_load(
-    table, state, strict: bool, source: str, policy, step: int | None, options: dict
+    table,
+    state,
+    strict: bool,
+    source: str,
+    policy,
+    step: int | None,
+    options: dict,
+    param_names: list[str] | None = None,
 ) -> PreparedLoad:
     """Checks `state` against the EMA's entries and converts its tensors; raises one
     CheckpointError listing every problem, before anything of the EMA changes. Keys that the
     EMA's ignore_names (`policy`) leave out are skipped. `options` are the EMA's current schedule
     options. The EMA continues from `step` (validated) when given, else the checkpoint's, else
     (timm's checkpoints and plain state dicts store none) update_after_step + 1, the step of the
-    copy that starts an average: the next update averages, as the peer would have."""
+    copy that starts an average: the next update averages, as the peer would have.
+    `param_names`: the bound model's parameters in order, those ignore_names leaves out included
+    (what torch_ema and diffusers hold in order), when it is known."""
     parsed = parse_checkpoint(state)
     fatal = list(parsed.problems)  # nothing can be loaded while any of these stands
     weights = parsed.weights or {}
     if parsed.positional is not None:  # the model's parameters, in order
-        params = [e.name for e in table.entries if e.kind == "param"]
+        params = param_names or [e.name for e in table.entries if e.kind == "param"]
         weights = dict(zip(params, parsed.positional))
         if len(parsed.positional) != len(params):
             fatal.append(

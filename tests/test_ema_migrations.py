@@ -297,6 +297,36 @@ def test_torch_ema(tmp_path, use_num_updates):
     )
 
 
+@pytest.mark.parametrize("ignored", ["first", "middle"])
+def test_torch_ema_into_an_ema_with_ignore_names(tmp_path, ignored):
+    """shadow_params follow all of model.parameters(), those ignore_names leaves out included:
+    each lands under its own name (they were paired with the EMA's parameters only, and refused
+    as a count mismatch)."""
+    torch_ema = peer(peer_access.load_torch_ema)
+    run = Run()
+    names = [n for n, _ in run.model.named_parameters()]
+    left_out = names[0] if ignored == "first" else names[len(names) // 2]
+    theirs = torch_ema.ExponentialMovingAverage(run.model.parameters(), decay=0.99)
+    for _ in range(BEFORE):
+        run.next()
+        theirs.update()
+    torch.save(theirs.state_dict(), tmp_path / "ema.pt")
+    ours = fused_ema.ModelEma(
+        run.model, 0.99, warmup="torch_ema", buffers="ignore", ignore_names=[left_out]
+    )
+    result = ours.load_state_dict(tmp_path / "ema.pt")
+    assert (result.missing_keys, result.unexpected_keys, ours.step) == ([], [], BEFORE)
+    kept = {n: s for n, s in zip(names, theirs.shadow_params) if n != left_out}
+    assert set(ours.state_dict()["weights"]) == set(kept)
+    continue_both(
+        run,
+        ours,
+        lambda step: theirs.update(),
+        lambda step: ours.update(run.model),
+        lambda: {n: s for n, s in zip(names, theirs.shadow_params) if n != left_out},
+    )
+
+
 # ---------------------------------------------------------------------- diffusers
 
 

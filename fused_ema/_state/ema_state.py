@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
+from .._model.walk import PARAM, named_tensors
 from .._update.schedule import rounding_from_state
 from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, is_value, prepare_load, read_source
 from ..errors import CheckpointError, PrecisionWarning
@@ -91,9 +92,19 @@ class EmaState:
             except (TypeError, ValueError) as err:
                 problems.append(f"rounding: {err}")
         binding = self.binding
+        model, param_names = binding.model_ref(), None
+        if model is not None and binding.policy.ignore:  # its positions count the ignored ones
+            param_names = [t.name for t in named_tensors(model, False) if t.kind == PARAM]
         try:
             prepared = prepare_load(
-                binding.table, state, strict, source, binding.policy, step, self.schedule.options
+                binding.table,
+                state,
+                strict,
+                source,
+                binding.policy,
+                step,
+                self.schedule.options,
+                param_names,
             )
         except CheckpointError as err:  # with the rounding's problem: every problem in one error
             raise CheckpointError(err.problems + problems, source) from err
