@@ -114,24 +114,15 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   if (!whole_in(config[kUpdateEveryDecay], 0.0, 1.0)) {
     return kUpdateEveryDecay;
   }
-  // BEMA's base lag + multiplier * step stays > 0 for every step >= 1.
+  // BEMA's four fields: finite, and >= 0 with BEMA (its base lag + multiplier * step stays > 0
+  // for every step >= 1), 0 for the other kinds.
   const bool bema = config[kWarmupKind] >= kBemaEma;
-  const double lag = config[kBemaLag];
-  const double multiplier = config[kBemaMultiplier];
-  if (!finite(lag) || (bema ? !(lag >= 0.0) : lag != 0.0)) {
-    return kBemaLag;
-  }
-  if (!finite(multiplier) ||
-      (bema ? !(multiplier >= 0.0 && lag + multiplier > 0.0) : multiplier != 0.0)) {
-    return kBemaMultiplier;
-  }
-  if (!finite(config[kBemaEmaPower]) ||
-      (bema ? !(config[kBemaEmaPower] >= 0.0) : config[kBemaEmaPower] != 0.0)) {
-    return kBemaEmaPower;
-  }
-  if (!finite(config[kBemaBiasPower]) ||
-      (bema ? !(config[kBemaBiasPower] >= 0.0) : config[kBemaBiasPower] != 0.0)) {
-    return kBemaBiasPower;
+  for (int field = kBemaLag; field <= kBemaBiasPower; ++field) {
+    const double x = config[field];
+    const bool base_positive = field != kBemaMultiplier || config[kBemaLag] + x > 0.0;
+    if (!finite(x) || (bema ? !(x >= 0.0 && base_positive) : x != 0.0)) {
+      return field;
+    }
   }
   return kNumConfigFields;
 }
