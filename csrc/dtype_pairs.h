@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "dtype_pair_list.h"
 
@@ -35,34 +36,26 @@ inline std::optional<PairKind> pair_kind(c10::ScalarType ema, c10::ScalarType sr
 
 // The name Python users know a dtype by (torch.float32 rather than c10's "Float").
 inline std::string dtype_name(c10::ScalarType type) {
-  switch (type) {
-    case c10::ScalarType::Float:
-      return "float32";
-    case c10::ScalarType::Double:
-      return "float64";
-    case c10::ScalarType::Half:
-      return "float16";
-    case c10::ScalarType::BFloat16:
-      return "bfloat16";
-    case c10::ScalarType::Long:
-      return "int64";
-    case c10::ScalarType::Int:
-      return "int32";
-    case c10::ScalarType::Short:
-      return "int16";
-    case c10::ScalarType::Char:
-      return "int8";
-    case c10::ScalarType::Byte:
-      return "uint8";
-    case c10::ScalarType::Bool:
-      return "bool";
-    case c10::ScalarType::ComplexFloat:
-      return "complex64";
-    case c10::ScalarType::ComplexDouble:
-      return "complex128";
-    default:
-      return c10::toString(type);
+  using c10::ScalarType;
+  constexpr std::pair<ScalarType, const char*> kNames[] = {
+      {ScalarType::Float, "float32"},
+      {ScalarType::Double, "float64"},
+      {ScalarType::Half, "float16"},
+      {ScalarType::BFloat16, "bfloat16"},
+      {ScalarType::Long, "int64"},
+      {ScalarType::Int, "int32"},
+      {ScalarType::Short, "int16"},
+      {ScalarType::Char, "int8"},
+      {ScalarType::Byte, "uint8"},
+      {ScalarType::Bool, "bool"},
+      {ScalarType::ComplexFloat, "complex64"},
+      {ScalarType::ComplexDouble, "complex128"}};
+  for (const auto& [known, name] : kNames) {
+    if (known == type) {
+      return name;
+    }
   }
+  return c10::toString(type);
 }
 
 // "(float32, float32), (float32, bfloat16), ..." for error messages.
