@@ -18,20 +18,6 @@
 namespace fused_ema::cpu {
 inline namespace CPU_CAPABILITY {
 
-// lerp_'s coefficient for a weight w rounded to opmath: coeff = w with base ema for |w| < 0.5,
-// else coeff = w - 1 with base src.
-template <typename T>
-struct LerpCoeff {
-  T coeff;
-  bool small;
-};
-
-template <typename T>
-inline LerpCoeff<T> lerp_coeff(T w) {
-  const bool small = std::abs(w) < T(0.5);
-  return {small ? w : w - T(1), small};
-}
-
 #ifdef FUSED_EMA_VECTORIZED
 // store2, then a and b become the values stored, read back in opmath (16-bit EMAs round).
 template <typename T>

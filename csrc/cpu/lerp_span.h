@@ -47,8 +47,21 @@ inline void store2(c10::Half* p, const Vectorized<float>& a, const Vectorized<fl
 }
 #endif
 
-// base is ema for a small weight and src otherwise (coeff = w or w - 1): PyTorch's choice, exact
-// at both ends of [0, 1].
+// lerp_'s coefficient for a weight w rounded to opmath: coeff = w with base ema for |w| < 0.5,
+// else coeff = w - 1 with base src: PyTorch's choice, exact at both ends of [0, 1].
+template <typename T>
+struct LerpCoeff {
+  T coeff;
+  bool small;
+};
+
+template <typename T>
+inline LerpCoeff<T> lerp_coeff(T w) {
+  const bool small = std::abs(w) < T(0.5);
+  return {small ? w : w - T(1), small};
+}
+
+// kSmallWeight: LerpCoeff::small, as a template argument.
 template <typename E, typename S, bool kSmallWeight>
 void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff) {
   using opmath_t = typename OpMath<E>::type;
@@ -75,15 +88,10 @@ void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff)
 
 template <typename E, typename S>
 void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, double weight) {
-  using opmath_t = typename OpMath<E>::type;
-  const auto w = static_cast<opmath_t>(weight);
-  E* e = static_cast<E*>(ema) + begin;
-  const S* s = static_cast<const S*>(src) + begin;
-  if (std::abs(w) < opmath_t(0.5)) {
-    lerp_range<E, S, true>(e, s, end - begin, w);
-  } else {
-    lerp_range<E, S, false>(e, s, end - begin, w - opmath_t(1));
-  }
+  const auto c = lerp_coeff(static_cast<typename OpMath<E>::type>(weight));
+  (c.small ? &lerp_range<E, S, true> : &lerp_range<E, S, false>)(static_cast<E*>(ema) + begin,
+                                                                 static_cast<const S*>(src) + begin,
+                                                                 end - begin, c.coeff);
 }
 
 }  // namespace CPU_CAPABILITY
@@ -101,9 +109,8 @@ using CpuTypes = BackendTypes<float, double, c10::BFloat16, c10::Half>;
   {&lerp_span<CpuTypes::ema_tag, CpuTypes::src_tag>,            \
    &lerp_stochastic_span<CpuTypes::ema_tag, CpuTypes::src_tag>, \
    &bema_span<CpuTypes::ema_tag, CpuTypes::src_tag>},
-constexpr SpanKernels make_span_kernels(const char* isa) {
-  return {isa, {FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SPAN_ENTRY)}};
-}
+// This instruction set's table (lerp_span_*.cpp hands out its address).
+constexpr SpanKernels kSpanKernels = {{FUSED_EMA_FOR_EACH_DTYPE_PAIR(FUSED_EMA_SPAN_ENTRY)}};
 #undef FUSED_EMA_SPAN_ENTRY
 
 }  // namespace CPU_CAPABILITY

@@ -9,8 +9,7 @@
 #include "lerp_span.h"
 
 namespace fused_ema::cpu {
-constexpr SpanKernels kTable = make_span_kernels("avx2");
-const SpanKernels* const kAvx2SpanKernels = &kTable;
+const SpanKernels* const kAvx2SpanKernels = &kSpanKernels;
 }  // namespace fused_ema::cpu
 #else
 namespace fused_ema::cpu {

@@ -10,8 +10,7 @@
 #include "lerp_span.h"
 
 namespace fused_ema::cpu {
-constexpr SpanKernels kTable = make_span_kernels("avx512");
-const SpanKernels* const kAvx512SpanKernels = &kTable;
+const SpanKernels* const kAvx512SpanKernels = &kSpanKernels;
 }  // namespace fused_ema::cpu
 #else
 namespace fused_ema::cpu {

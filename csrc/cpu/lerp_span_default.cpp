@@ -5,7 +5,6 @@
 
 namespace fused_ema::cpu {
 
-constexpr SpanKernels kTable = make_span_kernels("default");
-const SpanKernels* const kDefaultSpanKernels = &kTable;
+const SpanKernels* const kDefaultSpanKernels = &kSpanKernels;
 
 }  // namespace fused_ema::cpu

@@ -37,7 +37,6 @@ struct PairKernels {
 };
 
 struct SpanKernels {
-  const char* isa;
   PairKernels pair[kNumPairKinds];  // indexed by PairKind
 };
 
