@@ -32,11 +32,7 @@ class ListVisitor {
 
   uint64_t names_hash() const { return names_hash_; }
 
-  PyObject* release() {
-    PyObject* list = list_.get();
-    Py_INCREF(list);
-    return list;
-  }
+  PyObject* release() { return Py_NewRef(list_.get()); }
 
  private:
   static constexpr uint64_t kPrime = 0x100000001b3ull;
@@ -87,11 +83,7 @@ class NamedVisitor {
     return true;
   }
 
-  PyObject* release() {
-    PyObject* list = list_.get();
-    Py_INCREF(list);
-    return list;
-  }
+  PyObject* release() { return Py_NewRef(list_.get()); }
 
  private:
   OwnedRef list_;
