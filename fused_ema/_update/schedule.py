@@ -69,13 +69,14 @@ def whole_number(name: str, value, low: int, high: int = MAX_STEP) -> int:
     """An int (or numpy integer) in [low, high]; refuses bool, float, NaN and other types."""
     if isinstance(value, bool) or isinstance(value, float):
         raise ValueError(f"{name} must be a whole number in [{low}, {high}], got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
+    # Asked, not tried: torch.compile traces this (a compiled update's step), and dynamo fails
+    # on a TypeError raised inside operator.index on some torch versions.
+    if not hasattr(type(value), "__index__"):
         raise ValueError(
             f"{name} must be a whole number in [{low}, {high}], got {type(value).__name__} "
             f"{value!r}"
-        ) from None
+        )
+    number = operator.index(value)
     if not low <= number <= high:
         raise ValueError(f"{name} must be a whole number in [{low}, {high}], got {number}")
     return number
