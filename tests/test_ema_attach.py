@@ -209,3 +209,30 @@ def test_an_explicit_model_and_non_blocking():
     loss_of(model, torch.randn(4, 6)).backward()
     other_opt.step()
     assert third.step == 1  # reading the step waits for the background update
+
+
+def test_removed_in_the_except_block_of_its_own_error_it_attaches_again():
+    """The traceback of an error the hook raised keeps the removed hook alive: removed is what
+    the optimizer no longer holds, so an `except` block can resync and attach again."""
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, DECAY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = ema.attach(opt)
+    loss_of(model, torch.randn(4, 6)).backward()
+    opt.step()
+    model[3] = nn.Linear(16, 4)
+    try:
+        opt.step()
+    except fused_ema.StructureMismatchError:
+        with pytest.raises(RuntimeError, match="already attached"):
+            ema.attach(opt)  # not removed yet
+        handle.remove()
+        ema.resync(model)
+        ema.attach(opt)
+    ref = Reference()
+    ref.state = {k: v.double().clone() for k, v in ema.state_dict()["weights"].items()}
+    loss_of(model, torch.randn(4, 6)).backward()
+    opt.step()
+    ref.update(model)
+    assert ema.step == 2
+    ref.check(ema)

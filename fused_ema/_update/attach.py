@@ -17,6 +17,16 @@ class StepHook:
         self._ema = weakref.ref(ema)
         self._model = weakref.ref(model) if model is not None else None
         self.non_blocking = non_blocking
+        self.handle = None
+
+    def registered(self) -> bool:
+        """Whether the optimizer still holds this hook: a removed one stays alive as long as a
+        traceback of an error it raised does (an `except` block that removes and re-attaches)."""
+        hooks_ref = getattr(self.handle, "hooks_dict_ref", None)
+        if hooks_ref is None:  # another optimizer's own handle: alive means registered
+            return True
+        hooks = hooks_ref()
+        return hooks is not None and hooks.get(getattr(self.handle, "id", None)) is self
 
     def __call__(self, optimizer, args, kwargs) -> None:
         ema = self._ema()
@@ -47,12 +57,13 @@ def attach(ema, optimizer, model, non_blocking: bool, live: weakref.WeakSet):
         raise TypeError(f"ema.attach(optimizer, model): model must be an nn.Module, got {model!r}")
     if not isinstance(non_blocking, bool):
         raise TypeError(f"non_blocking must be True or False, got {non_blocking!r}")
-    if len(live):
+    if any(hook.registered() for hook in list(live)):
         raise RuntimeError(
             "this EMA is already attached to an optimizer: it would update twice per training "
             "step. Call .remove() on the handle the first attach() returned, then attach again."
         )
     hook = StepHook(ema, model, non_blocking)
     handle = register(hook)
+    hook.handle = handle
     live.add(hook)
     return handle
