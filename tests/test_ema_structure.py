@@ -430,3 +430,22 @@ def test_the_errors_survive_pickling_and_copies(how):
     err, back = raised.value, again(raised.value)
     assert type(back) is fused_ema.CheckpointError and str(back) == str(err)
     assert back.problems == err.problems and len(back.problems) >= 2
+
+
+@pytest.mark.parametrize("call", ["update", "resync"])
+def test_a_model_tensor_moved_to_meta_is_refused_by_name_with_nothing_changed(call):
+    torch.manual_seed(7)
+    model = trained(small_mlp(), 2)
+    ema = fused_ema.ModelEma(model, decay=0.9, on_mismatch="resync")
+    for _ in range(2):
+        trained(model, 1, seed=8)
+        ema.update(model)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    model[3].to("meta")  # a model tensor with no values for the EMA's to follow
+    with pytest.raises(RuntimeError, match=r"meta device and hold no values \(e\.g\. 3\.weight\)"):
+        getattr(ema, call)(model)
+    assert ema.step == 2
+    after = ema.state_dict()["weights"]
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert after[k].device.type == "cpu" and torch.equal(after[k], v), k

@@ -134,6 +134,15 @@ class Binding:
                 f"no values (e.g. {meta[0]}); call ema.resync(model) once the model is "
                 "materialised (model.to_empty(...) and its initialisation)"
             )
+        # The reverse: a model tensor moved to meta (`.to("meta")`) has no values to average into
+        # (or copy from) the EMA's, which the update would only find out after moving the step.
+        lost = [e.name for e in table.entries if current[e.name].is_meta and not e.ema.is_meta]
+        if lost:
+            raise RuntimeError(
+                f"fused_ema: {len(lost)} model tensors are on the meta device and hold no values "
+                f"(e.g. {lost[0]}), where this EMA's hold values: materialise the model "
+                "(model.to_empty(...) and its initialisation, or load its weights) first"
+            )
         previous = (self.table, self.plan, self.module, self.model_ref)
         previous_place = schedule.step.device
         moves = []
