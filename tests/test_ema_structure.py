@@ -449,3 +449,23 @@ def test_a_model_tensor_moved_to_meta_is_refused_by_name_with_nothing_changed(ca
     assert after.keys() == before.keys()
     for k, v in before.items():
         assert after[k].device.type == "cpu" and torch.equal(after[k], v), k
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_an_update_before_the_meta_model_is_materialised_says_so(non_blocking):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    for _ in range(2):  # was "ema[0] and ema[1] share memory" (meta tensors have no address)
+        with pytest.raises(RuntimeError, match=r"made from a meta-device model .*ema\.resync"):
+            ema.update(model, non_blocking=non_blocking)
+        assert ema.step == 0
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.copy_(torch.randn(t.shape).to(t.dtype) if t.is_floating_point() else 3)
+    ema.resync(model)
+    ema.update(model)
+    assert ema.step == 1
+    for name, value in model.state_dict().items():
+        assert torch.equal(ema.state_dict()["weights"][name].to(value.dtype), value), name

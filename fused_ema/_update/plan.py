@@ -155,6 +155,8 @@ class UpdatePlan:
         self, table: EntryTable, walk: list, names: int, snapshot: bool = False, seed=None
     ):
         self.snapshot = snapshot
+        # EMA tensors made from a meta-device model: nothing to update until a resync.
+        self.meta = [e.name for e in table.entries if e.ema.is_meta]
         self.names = names  # the walk's hash of every module, parameter and buffer name
         self.refs = tuple(None if t is None else weakref.ref(t) for t in walk)
         self.signature = walk_signature(walk)

@@ -155,6 +155,12 @@ class Updater:
                 undos.append(undo)
                 plans.append(own)
             plan = plans[0].joined(plans[1:], self.joint) if self.followers else plans[0]
+            if plan.meta:
+                raise RuntimeError(
+                    f"fused_ema: {len(plan.meta)} EMA tensors were made from a meta-device model "
+                    f"and hold no values (e.g. {plan.meta[0]}); call ema.resync(model) once the "
+                    "model is materialised (model.to_empty(...) and its initialisation)"
+                )
             if values is not None and not walk_agrees(values, walk):
                 # The traced walk (_model/walk.py, the Python form dynamo can follow) must be the
                 # C walk item for item: a disagreement is refused, never averaged.
