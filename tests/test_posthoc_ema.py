@@ -241,6 +241,26 @@ def test_a_fresh_run_refuses_a_folder_with_another_runs_snapshots_and_changes_no
     assert torch.equal(before, second.emas[0].state_dict()["weights"]["0.weight"])
 
 
+def test_a_second_run_refuses_a_folder_whose_first_snapshots_are_still_queued(tmp_path):
+    """A second PostHocEma in the process counted only the files on disk: it took the folder while
+    the first's snapshot was queued, both wrote snapshot 0, and its clean-up of temporary files
+    removed the first's file mid-write."""
+    from fused_ema.posthoc import list_snapshots
+
+    model = net()
+    first = PostHocEma(model, (0.05, 0.1), snapshot_every=1, snapshot_dir=tmp_path)
+    second = PostHocEma(model, (0.05, 0.1), snapshot_every=1, snapshot_dir=tmp_path)
+    for _ in range(20):  # a write is on the worker (or queued) when the second one checks
+        first.update(model)
+    with pytest.raises(RuntimeError, match="already holds 20 snapshots"):
+        second.update(model)
+    assert second.step == 0
+    first.close()
+    assert [(s.index, s.step) for s in list_snapshots(tmp_path)] == [
+        (i, i + 1) for i in range(20) for _ in range(2)
+    ]
+
+
 def test_a_resumed_run_continues_bit_for_bit_and_continues_the_numbering(tmp_path):
     model = net()
     ph = PostHocEma(model, (0.05, 0.1), snapshot_every=3, snapshot_dir=tmp_path / "a")
@@ -400,6 +420,95 @@ def test_a_snapshot_that_cannot_be_written_is_reported_by_the_next_call(tmp_path
     with pytest.raises(RuntimeError, match="disk full"):
         ph.synchronize()
     assert not any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
+
+
+def test_save_snapshot_reports_the_failed_write_of_its_step(tmp_path, monkeypatch):
+    """save_snapshot() at the step whose periodic snapshot failed returned silently (that step
+    counted as snapshotted), the failure left for a later call."""
+    import fused_ema.posthoc.snapshots as snapshots
+
+    write = snapshots.write_snapshot
+
+    def second_fails(path, tensors, metadata):
+        if path.name == "000000-ema1.safetensors":
+            raise OSError("disk full")
+        write(path, tensors, metadata)
+
+    monkeypatch.setattr(snapshots, "write_snapshot", second_fails)
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
+    train(model, 2, lambda t: ph.update(model))
+    ph._snapshots._written[-1].wait()
+    with pytest.raises(RuntimeError, match="disk full"):
+        ph.save_snapshot()
+    assert ph.state_dict()["snapshot_index"] == 1
+    ph.close()
+
+
+def test_a_write_failing_during_an_update_is_raised_by_the_next_call_not_by_that_update(
+    tmp_path, monkeypatch
+):
+    """An earlier snapshot's failure that landed while an update ran was raised by that update
+    after it had changed the EMAs, and the snapshot it was due to take was never written."""
+    import threading
+
+    import fused_ema.posthoc.snapshots as snapshots
+
+    write, release = snapshots.write_snapshot, threading.Event()
+
+    def first_fails(path, tensors, metadata):
+        if path.name.startswith("000000-"):
+            release.wait()
+            raise OSError("disk full")
+        write(path, tensors, metadata)
+
+    monkeypatch.setattr(snapshots, "write_snapshot", first_fails)
+    model = net()
+    ph = PostHocEma(model, (0.1,), snapshot_every=2, snapshot_dir=tmp_path)
+    train(model, 3, lambda t: ph.update(model))
+    leader, pending = ph.emas[0], list(ph._snapshots._written)
+    update = leader.update
+
+    def failure_lands_meanwhile(*args, **kwargs):
+        update(*args, **kwargs)
+        release.set()
+        pending[0].wait()
+
+    monkeypatch.setattr(leader, "update", failure_lands_meanwhile)
+    ph.update(model)  # step 4: its snapshot is taken, the failure waits for the next call
+    monkeypatch.setattr(leader, "update", update)
+    assert ph.step == 4
+    before = ph.emas[0].state_dict()["weights"]["0.weight"].clone()
+    with pytest.raises(RuntimeError, match="disk full"):
+        ph.update(model)
+    assert ph.step == 4
+    assert torch.equal(before, ph.emas[0].state_dict()["weights"]["0.weight"])
+    ph.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000001-ema0.safetensors"]
+
+
+def test_an_update_whose_count_is_read_after_it_refuses_a_bad_folder_before_changing_anything(
+    tmp_path,
+):
+    """With the update count unknown beforehand (a tensor step, the first update after
+    load_state_dict) the folder was checked only after the update: refused, it had counted."""
+    model = net()
+    first = PostHocEma(model, (0.1,), snapshot_every=1, snapshot_dir=tmp_path / "a")
+    train(model, 1, lambda t: first.update(model))
+    checkpoint = copy.deepcopy(first.state_dict())
+    first.close()
+    fresh = PostHocEma(model, (0.1,), snapshot_every=1, snapshot_dir=tmp_path / "a")
+    with pytest.raises(RuntimeError, match="already holds 1 snapshots"):
+        fresh.update(model, step=torch.tensor(1))
+    assert fresh.step == 0
+    (tmp_path / "b").write_text("a file where the folder was")
+    resumed = PostHocEma(model, (0.1,), snapshot_every=1, snapshot_dir=tmp_path / "b")
+    resumed.load_state_dict(checkpoint)
+    before = resumed.emas[0].state_dict()["weights"]["0.weight"].clone()
+    with pytest.raises(FileExistsError):
+        resumed.update(model)
+    assert resumed.step == 1
+    assert torch.equal(before, resumed.emas[0].state_dict()["weights"]["0.weight"])
 
 
 def test_a_compiled_training_step_updates_every_ema_and_still_writes_snapshots(tmp_path):

@@ -295,6 +295,9 @@ class Snapshots:
         writes them: the others may already see its files)."""
         if self.checked or not writing_rank():
             return
+        # Another PostHocEma's queued snapshots on disk first: counted, their temporary files not
+        # removed mid-write.
+        SNAPSHOTS.drain()
         self.folder.mkdir(parents=True, exist_ok=True)
         clean_temporary_files(self.folder)  # left by a writer killed mid-write
         found = next_index(self.folder)
@@ -348,7 +351,8 @@ class Snapshots:
         if not files:
             self.last_step = t
             return
-        self.raise_failure()
+        # (no raise_failure here: an update that took this snapshot has already changed the EMAs,
+        # and an earlier write's failure would lose this snapshot; the next call raises it)
         self.wait_staged()
         host: list = []
 

@@ -165,8 +165,9 @@ class PostHocEma(TrackSet):
             t = self._t + 1
         elif step is not None and not isinstance(step, torch.Tensor):
             t = whole_number("step", step, 0) - self._update_after_step
-        if snapshots.due(t):
-            snapshots.check_folder()  # before the update changes anything
+        # Before the update changes anything; an update count known only after it may be due.
+        if snapshots.due(t) or (t is None and snapshots.folder is not None):
+            snapshots.check_folder()
         try:
             leader.update(model, step, non_blocking)
         except BaseException:
@@ -200,6 +201,7 @@ class PostHocEma(TrackSet):
             raise ValueError("PostHocEma.save_snapshot: this PostHocEma has no snapshot_dir")
         self._tracks[0].synchronize()
         snapshots, t = self._snapshots, self.step - self._update_after_step
+        snapshots.raise_failure()  # (a failed write of this step would otherwise pass unseen)
         if t < 1:
             raise ValueError(
                 f"PostHocEma.save_snapshot: no update has started the EMAs yet (update count {t}, "
