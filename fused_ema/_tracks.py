@@ -78,7 +78,7 @@ class TrackSet(nn.Module):
         each track's under ``{prefix}{name}.``."""
         if args:
             destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
-        self._tracks[0].synchronize()
+        self.synchronize()  # (a PostHocEma's: the snapshots it counts are on disk, or raised)
         if destination is None and not prefix:
             return {
                 "format": self.FORMAT,

@@ -422,6 +422,42 @@ def test_a_snapshot_that_cannot_be_written_is_reported_by_the_next_call(tmp_path
     assert not any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
 
 
+def test_state_dict_counts_only_snapshots_on_disk(tmp_path, monkeypatch):
+    """A checkpoint taken while snapshots were still being written counted them, written or not:
+    state_dict() waits for them, and raises a failed one (the next call does, as documented)."""
+    import threading
+
+    import fused_ema.posthoc.snapshots as snapshots
+
+    write, gate, fail = snapshots.write_snapshot, threading.Event(), []
+
+    def slow(path, tensors, metadata):
+        gate.wait(5)
+        if fail:
+            raise OSError("disk full")
+        write(path, tensors, metadata)
+
+    monkeypatch.setattr(snapshots, "write_snapshot", slow)
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=1, snapshot_dir=tmp_path)
+    ph.update(model)
+    threading.Timer(0.3, gate.set).start()
+    state = ph.state_dict()
+    assert state["snapshot_index"] == 1
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        "000000-ema0.safetensors",
+        "000000-ema1.safetensors",
+    ]
+    gate.clear()
+    fail.append(True)
+    train(model, 1, lambda t: ph.update(model))
+    threading.Timer(0.3, gate.set).start()
+    with pytest.raises(RuntimeError, match="disk full"):
+        ph.state_dict()
+    assert ph.state_dict()["snapshot_index"] == 2  # raised once; the step it failed stays counted
+    ph.close()
+
+
 def test_save_snapshot_reports_the_failed_write_of_its_step(tmp_path, monkeypatch):
     """save_snapshot() at the step whose periodic snapshot failed returned silently (that step
     counted as snapshotted), the failure left for a later call."""
