@@ -752,3 +752,31 @@ def test_tied_weights_survive_pickling():
     assert m.head.weight is m.embed.weight
     restored.update(model)
     assert restored.step == 1
+
+
+@ignore_dropped
+@pytest.mark.parametrize("point", [InterruptAt, InterruptAtLine], ids=["call", "line"])
+def test_an_interrupt_anywhere_in_ema_to_is_all_or_nothing(point):
+    """ema.to(dtype) interrupted at any point: every tensor, ema.dtype and ema.module as before,
+    or all converted as an uninterrupted call converts them (not some, nor the tensors without
+    the setting); the EMA keeps working either way."""
+    model, ema = moved_ema()
+    done = copy.deepcopy(ema).to(torch.float64)
+    runs = [copy.deepcopy(ema)]
+
+    def whole(interrupted):
+        got = runs[-1]
+        dtypes = {v.dtype for v in got.state_dict()["weights"].values() if v.is_floating_point()}
+        module = {p.dtype for p in got.module.parameters()}
+        assert len(dtypes) == 1 and module == dtypes, (dtypes, module)
+        reference = done if dtypes == {torch.float64} else ema
+        assert got.dtype == reference.dtype
+        assert_same_state(got, state_of(reference))
+        got.update(model)
+        twin = copy.deepcopy(reference)
+        twin.update(model)
+        assert_same_state(got, state_of(twin))
+        runs.append(copy.deepcopy(ema))
+
+    fired = interrupted_everywhere(lambda: runs[-1].to(torch.float64), whole, point=point)
+    assert len(fired) > 20

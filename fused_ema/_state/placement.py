@@ -11,6 +11,7 @@ import torch
 
 from .._dist.dtensor import is_dtensor
 from .._model.module_view import SwappedModelView
+from .._model.swap import finish_all
 from .options import check_ema_dtype
 
 
@@ -70,21 +71,27 @@ def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> N
                         moved = data.to(device or data.device, to, non_blocking=non_blocking)
                         if moved is not data:
                             extras.append((sub, name, moved))
+    placed = {}
     if device is not None and entries:
         target = (moves[0][1] if moves else entries[0].ema).device
-        schedule.place(target if target.type != "cpu" else torch.device("cpu"))
-    # Nothing below can fail: tensors swap their storage, the policy and the plan are replaced.
-    for tensor, moved in moves:
-        tensor.data = moved
-    for module, name, moved in extras:
-        if name in module._parameters:
-            module._parameters[name].data = moved
-        else:
-            module._buffers[name] = moved
+        placed = schedule.placed(target if target.type != "cpu" else torch.device("cpu"))
     policy = binding.policy
-    binding.policy = dataclasses.replace(
+    policy = dataclasses.replace(
         policy,
         device=torch.device(device) if device is not None else policy.device,
         dtype=dtype if dtype is not None else policy.dtype,
     )
-    binding.plan = None  # rebuilt for the moved tensors at the next update
+
+    def swap_in():  # nothing here can fail: tensors swap their storage, objects are replaced
+        schedule.__dict__.update(placed)
+        for tensor, moved in moves:
+            tensor.data = moved
+        for module, name, moved in extras:
+            if name in module._parameters:
+                module._parameters[name].data = moved
+            else:
+                module._buffers[name] = moved
+        binding.policy = policy
+        binding.plan = None  # rebuilt for the moved tensors at the next update
+
+    finish_all([swap_in])  # an interrupt landing in it lets it finish (it is idempotent)

@@ -290,19 +290,21 @@ class Schedule:
 
     def place(self, device: torch.device) -> None:
         """Moves the tensors to `device` (where the EMA's first non-CPU tensor lives)."""
+        self.__dict__.update(self.placed(device))
+
+    def placed(self, device: torch.device) -> dict:
+        """The tensors place(device) sets, made aside (attribute: tensor), to be set at once."""
         if self.step.device == device:
-            return
+            return {}
         if self.captured:
             raise RuntimeError(
                 f"fused_ema: the EMA's step counter was captured in a CUDA graph on "
                 f"{self.step.device}; moving it to {device} would leave the graph reading freed "
                 "memory. Keep the EMA on the device it was captured on, or build a new EMA."
             )
-        step = self.step.to(device)
-        self.step, self.out = step, self.out.to(device)
-        self.weight = self.out[:1]
-        self._saved = torch.zeros_like(step)
-        self.config = self.config.to(device)
+        step, out = self.step.to(device), self.out.to(device)
+        config, saved = self.config.to(device), torch.zeros_like(step)
+        return {"step": step, "out": out, "weight": out[:1], "_saved": saved, "config": config}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
