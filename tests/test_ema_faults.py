@@ -780,3 +780,29 @@ def test_an_interrupt_anywhere_in_ema_to_is_all_or_nothing(point):
 
     fired = interrupted_everywhere(lambda: runs[-1].to(torch.float64), whole, point=point)
     assert len(fired) > 20
+
+
+@ignore_dropped
+def test_an_interrupt_anywhere_in_an_update_that_follows_a_new_structure_is_all_or_nothing():
+    """on_mismatch="resync": an update that first follows a replaced and an added layer,
+    interrupted at any point, leaves the EMA as before (old structure, step) or as one
+    uninterrupted update leaves it, never followed but not averaged, and it keeps working."""
+    model, ema = moved_ema(on_mismatch="resync")
+    model[3] = nn.Linear(16, 5)
+    model.append(nn.Linear(5, 2))
+    done = copy.deepcopy((ema, model))
+    done[0].update(done[1])
+    runs = [copy.deepcopy((ema, model))]
+
+    def whole(interrupted):
+        got, net = runs[-1]
+        reference = done[0] if got.step == done[0].step else ema
+        assert_same_state(got, state_of(reference))
+        twin = copy.deepcopy(reference)
+        got.update(net)
+        twin.update(net)
+        assert_same_state(got, state_of(twin))
+        runs.append(copy.deepcopy((ema, model)))
+
+    fired = interrupted_everywhere(lambda: runs[-1][0].update(runs[-1][1]), whole)
+    assert len(fired) > 20

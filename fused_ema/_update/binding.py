@@ -114,9 +114,7 @@ class Binding:
         # Changed, or partitioned by ZeRO-3 since the EMA was built (each rank keeps its slice).
         if changes or changes.partitioned:
             table = self._followed(tracked)
-        plan, undo = self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
-        plan.remember(model, walk, self.with_buffers)
-        return plan, undo
+        return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
 
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)
@@ -157,18 +155,21 @@ class Binding:
             tensor.data = moved
         try:
             table.rebind(tracked)
-            plan = UpdatePlan(table, *walk, snapshot, self.seed) if walk is not None else None
+            plan = None
+            if walk is not None:  # remembered before the switch: an interrupt there loses no undo
+                plan = UpdatePlan(table, *walk, snapshot, self.seed)
+                plan.remember(model, walk[0], self.with_buffers)
             schedule.place(self.schedule_device(table))
             module = self.module
             if table is not self.table or moves:
                 module = self._build_module(ema, table.entries, model)
+            model_ref = weakref.ref(model)
         except BaseException:
             for tensor, before, _ in moves:
                 tensor.data = before
             self.table.rebind(tracked)
             raise
-        self.table, self.plan, self.module = table, plan, module
-        self.model_ref = weakref.ref(model)
+        self.table, self.plan, self.module, self.model_ref = table, plan, module, model_ref
 
         def undo():
             for tensor, before, _ in moves:
