@@ -301,6 +301,7 @@ def test_a_resumed_run_synthesizes_from_its_own_snapshots_only(tmp_path):
     resumed = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
     resumed.load_state_dict(checkpoint)
     train(model, 2, lambda t: resumed.update(model), seed=4)  # other data: another EMA
+    resumed.synchronize()  # its snapshot of step 6 on disk before the folder is listed here
     assert max(s.step for s in list_snapshots(tmp_path)) == 10  # (the abandoned run's)
     mine = [s for s in list_snapshots(tmp_path) if s.index < 3]
     expected = synthesize(mine, sigma_rel=0.07)
