@@ -4,7 +4,6 @@
 #include "fused_op.h"
 
 #include <ATen/record_function.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -14,6 +13,7 @@
 #include <iterator>
 #include <utility>
 
+#include "grad_mode.h"
 #include "join.h"
 #include "opmath.h"
 
@@ -235,7 +235,7 @@ FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights, bool rea
   TORCH_CHECK_VALUE(type == at::kFloat || type == at::kDouble, op,
                     one ? "a tensor weight" : "weights", " must be float32 or float64, got ",
                     dtype_name(type));
-  TORCH_CHECK(!(weights.requires_grad() && c10::GradMode::is_enabled()), op, name,
+  TORCH_CHECK(!(weights.requires_grad() && grad_mode_enabled()), op, name,
               " requires grad; the EMA update is not differentiable");
   const auto tracks = static_cast<size_t>(weights.numel());
   const int64_t stride = weights.dim() == 0 ? 0 : weights.stride(0);

@@ -2,7 +2,8 @@
 // destructor on every way out of fn, an exception or an interrupt included, and no Python code
 // runs between switching the mode and calling fn, or between fn's return and the switch back.
 #include <Python.h>
-#include <c10/core/GradMode.h>
+
+#include "grad_mode.h"
 
 namespace fused_ema {
 
@@ -11,7 +12,7 @@ PyObject* python_without_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs
     PyErr_SetString(PyExc_TypeError, "without_grad(fn, *args) needs fn");
     return nullptr;
   }
-  c10::NoGradGuard no_grad;
+  const NoGradScope no_grad;
   return PyObject_Vectorcall(args[0], args + 1, static_cast<size_t>(nargs - 1), nullptr);
 }
 

@@ -4,13 +4,14 @@
 #include "lerp_plan.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+
+#include "grad_mode.h"
 
 namespace fused_ema {
 namespace {
@@ -343,7 +344,7 @@ void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairN
   TORCH_CHECK(e.is_contiguous() || !has_stride0_dim(e), op, ema(),
               " has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
               "be updated in place");
-  TORCH_CHECK(!(e.requires_grad() && c10::GradMode::is_enabled()), op, ema(),
+  TORCH_CHECK(!(e.requires_grad() && grad_mode_enabled()), op, ema(),
               " requires grad and grad mode is on; the EMA update is not differentiable, so "
               "call it under torch.no_grad()");
   TORCH_CHECK(!e.is_inference() || c10::InferenceMode::is_enabled(), op, ema(),

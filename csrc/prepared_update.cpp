@@ -5,12 +5,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include <cstring>
 
 #include "fused_op.h"
+#include "grad_mode.h"
 #include "schedule.h"
 
 namespace fused_ema {
@@ -217,7 +217,7 @@ void PreparedUpdate::Copies::run() const {
 }
 
 bool PreparedUpdate::run(StepMode mode, int64_t step, bool replan) {
-  const c10::AutoGradMode no_grad(false);
+  const NoGradScope no_grad;
   if (unchanged()) {
     // As the planner does for the calls it plans, while the check has their metadata in cache;
     // each bump is an atomic increment of a counter of its own, another miss: split as the check.
