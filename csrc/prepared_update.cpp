@@ -4,8 +4,8 @@
 #include "prepared_update.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <cstring>
 
@@ -32,7 +32,7 @@ void over_tensors(size_t count, const Fn& fn) {
   if (n < kParallelCheckFrom) {
     fn(0, n);
   } else {
-    at::parallel_for(0, n, kParallelCheckFrom / 2, fn);
+    torch::stable::parallel_for(0, n, kParallelCheckFrom / 2, fn);
   }
 }
 

@@ -1,8 +1,8 @@
 // The CPU runner of the fused-op family (fused_op.h): the per-ISA span kernels over one flat range
-// of elements that a single at::parallel_for splits evenly, so 20,000 small tensors cost one
+// of elements that a single parallel_for splits evenly, so 20,000 small tensors cost one
 // parallel region, and a thread's share may start in one tensor and end in another.
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/stable/ops.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -38,7 +38,7 @@ template <int kWrite>
 
 // Calls span(p, begin, end) over the elements of items 0 .. count-1 (pairs of lerp_, rows of
 // lerp_many_, tensors of bema_; item p has numel(p) of them): one flat range that a single
-// at::parallel_for splits evenly, `grain` elements at least a thread. prefetch(p) runs `ahead`
+// parallel_for splits evenly, `grain` elements at least a thread. prefetch(p) runs `ahead`
 // items before item p.
 template <typename Numel, typename Prefetch, typename Span>
 void for_each_item_span(size_t count, const Numel& numel, int64_t grain, size_t ahead,
@@ -50,7 +50,7 @@ void for_each_item_span(size_t count, const Numel& numel, int64_t grain, size_t 
   for (size_t p = 0; p < count; ++p) {
     offsets[p + 1] = offsets[p] + numel(p);
   }
-  at::parallel_for(0, offsets.back(), grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, offsets.back(), grain, [&](int64_t begin, int64_t end) {
     auto p = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
                                  offsets.begin() - 1);
     for (int64_t pos = begin; pos < end; ++p) {
@@ -101,7 +101,7 @@ struct TrackRow {
 
 // Calls span(pair, track, begin, end) over every pair of a lerp_many_ plan, the tracks of a src
 // taking turns block by block (kTrackBlockBytes of src): one flat range over the src elements,
-// split by a single at::parallel_for.
+// split by a single parallel_for.
 template <typename Span>
 void for_each_track_span(const DevicePlan& plan, size_t tensors, const Span& span) {
   Scratch<TrackRow, 0> rows_scratch;
