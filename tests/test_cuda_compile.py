@@ -176,11 +176,11 @@ def test_the_pre_volta_build_compiles():
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_kernels_reach_half_occupancy_without_spills(arch):
     require_target(arch)
-    kernels = all_kernels(compile_kernels(archs_here()), arch)
-    assert len(lerp_kernels(compile_kernels(archs_here()), arch)) == 2 * PAIRS, sorted(kernels)
+    report = compile_kernels(archs_here())
+    kernels = all_kernels(report, arch)
+    assert len(lerp_kernels(report, arch)) == 2 * PAIRS, sorted(kernels)
     # Stochastic rounding's kernels for the four pairs with 16-bit EMAs, lerp_'s (one track) and
     # lerp_many_'s (kMaxTracks = 8 a launch); lerp_many_'s plain ones for every pair; both layouts.
-    report = compile_kernels(archs_here())
     assert len(track_kernels(report, arch, 1, True)) == 2 * 4
     assert len(track_kernels(report, arch, 8, False)) == 2 * PAIRS
     assert len(track_kernels(report, arch, 8, True)) == 2 * 4
@@ -254,44 +254,49 @@ def compile_glue():
     import torch
     from torch.utils.cpp_extension import include_paths
 
-    tmp = Path(tempfile.mkdtemp(prefix="fused-ema-glue-"))
-    macros = tmp / "stub" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    macros.parent.mkdir(parents=True)
-    macros.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    cmd = [
-        NVCC,
-        "-std=c++20" if version >= (2, 12) else "-std=c++17",
-        "-O1",
-        f"-I{ROOT / 'csrc'}",
-        *(f"-I{p}" for p in include_paths()),
-        f"-I{tmp / 'stub'}",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        "-D__CUDA_NO_HALF_OPERATORS__",
-        "-D__CUDA_NO_HALF_CONVERSIONS__",
-        "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-        "-D__CUDA_NO_HALF2_OPERATORS__",
-        "--expt-relaxed-constexpr",
-        "-gencode",
-        "arch=compute_90,code=sm_90",
-        "-Xcompiler",
-        "-fPIC",
-    ]
-    running = {
-        source: subprocess.Popen(
-            [*cmd, "-c", str(ROOT / "csrc" / "cuda" / source), "-o", str(tmp / f"{source}.o")],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for source in GLUE_SOURCES
-    }
-    results = {}
-    for source, process in running.items():
-        _, stderr = process.communicate(timeout=600)
-        results[source] = (process.returncode, stderr)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return results
+    with tempfile.TemporaryDirectory(prefix="fused-ema-glue-") as tmp_name:
+        tmp = Path(tmp_name)
+        macros = tmp / "stub" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        macros.parent.mkdir(parents=True)
+        macros.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+        cmd = [
+            NVCC,
+            "-std=c++20" if version >= (2, 12) else "-std=c++17",
+            "-O1",
+            f"-I{ROOT / 'csrc'}",
+            *(f"-I{p}" for p in include_paths()),
+            f"-I{tmp / 'stub'}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            "-D__CUDA_NO_HALF_OPERATORS__",
+            "-D__CUDA_NO_HALF_CONVERSIONS__",
+            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-D__CUDA_NO_HALF2_OPERATORS__",
+            "--expt-relaxed-constexpr",
+            "-gencode",
+            "arch=compute_90,code=sm_90",
+            "-Xcompiler",
+            "-fPIC",
+        ]
+        running = {
+            source: subprocess.Popen(
+                [*cmd, "-c", str(ROOT / "csrc" / "cuda" / source), "-o", str(tmp / f"{source}.o")],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for source in GLUE_SOURCES
+        }
+        try:
+            results = {}
+            for source, process in running.items():
+                stderr = process.communicate(timeout=600)[1]
+                results[source] = (process.returncode, stderr)
+            return results
+        finally:
+            for process in running.values():
+                process.kill()  # a no-op for those that finished; stops the other on a timeout
+                process.wait()
 
 
 @needs_nvcc
