@@ -59,9 +59,9 @@ CXX_FLAGS = ["-O3"]  # torch's BuildExtension adds the -std its headers need
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # The static libraries below are compiled by setuptools, not BuildExtension: name the standard.
 LIBRARY_STD = "-std=c++20" if TORCH_VERSION >= (2, 12) else "-std=c++17"
-# ATen's vector headers warn under GCC 12 with AVX flags (CUDA unroll pragmas, intrinsics' own
-# uninitialised placeholders); the warnings are theirs, not fused_ema's.
-QUIET_TORCH_HEADERS = ["-Wno-unknown-pragmas", "-Wno-maybe-uninitialized"]
+
+# GCC 12's own AVX-512 intrinsics warn (their _mm512_undefined_* placeholders, GCC bug 105593).
+QUIET_INTRINSICS = ["-Wno-maybe-uninitialized"]
 
 # Span kernels per x86 instruction set. Each needs its own -m flags, which one extension cannot
 # give single files, so each becomes a static library linked into _C; the CPU is checked at run
@@ -130,7 +130,7 @@ def isa_libraries() -> list:
                 # or an edited kernel header would leave a stale ISA library beside a new _C.
                 "obj_deps": {"": HEADERS},
                 "include_dirs": include_paths(),
-                "cflags": [*CXX_FLAGS, LIBRARY_STD, "-fPIC", abi, *flags, *QUIET_TORCH_HEADERS],
+                "cflags": [*CXX_FLAGS, LIBRARY_STD, "-fPIC", abi, *flags, *QUIET_INTRINSICS],
             },
         )
         for isa, flags in ISA_FLAGS.items()

@@ -101,6 +101,31 @@ def test_import_without_compiled_kernels_says_how_to_build(tmp_path):
     assert "pip install --no-build-isolation" in result.stderr
 
 
+@pytest.mark.parametrize("patch", [False, True], ids=["another release", "another patch"])
+def test_a_binary_loads_only_under_the_torch_release_it_was_built_for(patch):
+    # torch's C++ API keeps its ABI within a release: 2.13.1 runs a binary built with 2.13.0, 2.15
+    # must not (it could load and then fail anywhere).
+    from fused_ema._ext.loader import _C
+
+    major, minor = _C.TORCH_VERSION_BUILT.split(".")[:2]
+    running = f"{major}.{minor}.99+cpu" if patch else f"{major}.{int(minor) + 2}.0+cpu"
+    code = f"import torch; torch.__version__ = {running!r}; import fused_ema; print('loaded')"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    if patch:
+        assert result.returncode == 0, result.stderr
+        assert "loaded" in result.stdout
+    else:
+        assert result.returncode != 0
+        message = result.stderr.strip().splitlines()
+        assert any(
+            f"built for torch {_C.TORCH_VERSION_BUILT}, but torch {running}" in line
+            for line in message
+        ), result.stderr
+        assert "pip install --no-build-isolation" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "code"), [([], 0), (["--short"], 0), (["--help"], 0), (["--bogus"], 2), (["x"], 2)]
 )

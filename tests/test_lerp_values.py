@@ -228,6 +228,69 @@ def test_every_cpu_isa_is_bitwise_identical(pair, restore_cpu_isa):
         assert_bitwise(out, results[("default", weight)])
 
 
+# Special values per dtype: every kind of NaN as raw bits (quiet and signalling, either sign, with
+# payloads), and infinities, signed zeros, subnormals, values past float16's range, huge values.
+NAN_BITS = {
+    torch.float64: [0x7FF8000012345678, -0x0007FFFFFFFFFFFF, 0x7FF0000000000001],
+    torch.float32: [0x7FC12345, -0x003FFFFF, 0x7F800001, 0x7FFFFFFF],
+    torch.bfloat16: [0x7FC1, -0x007F, 0x7F81],
+    torch.float16: [0x7E01, -0x0300, 0x7C01],
+}
+BITS_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+SPECIAL_VALUES = [float("inf"), -float("inf"), -0.0, 0.0, 1e-45, 1e-40, 6e-8, 7e4, 65520.0, 3e38]
+
+
+def with_special_values(t, g):
+    """t with a fifth of its elements, at random places, set to NaNs or SPECIAL_VALUES."""
+    bits = BITS_DTYPE[t.element_size()]
+    nans = torch.tensor(NAN_BITS[t.dtype], dtype=torch.int64).to(bits).view(t.dtype)
+    pool = torch.cat([nans, torch.tensor(SPECIAL_VALUES, dtype=torch.float64).to(t.dtype)])
+    at = torch.randperm(t.numel(), generator=g)[: t.numel() // 5]
+    t = t.clone()
+    t[at] = pool[torch.randint(len(pool), (len(at),), generator=g)]
+    return t
+
+
+def as_bits(t):
+    return t.view(BITS_DTYPE[t.element_size()])
+
+
+@pytest.mark.parametrize("pair", DTYPE_PAIRS, ids=pair_id)
+def test_every_cpu_isa_writes_the_same_bits_for_special_values(pair, restore_cpu_isa):
+    """NaNs with payloads, infinities, zeros, subnormals and overflows, through lerp_ and bema_
+    (vector bodies and scalar tails): every instruction set writes the bits of the baseline. A
+    16-bit EMA holds NaN as c10's scalar conversion writes it (bfloat16 0x7FC0, float16
+    sign | 0x7E00), whatever the payload; float32/float64 NaNs keep a hardware payload, so for
+    them NaN-ness is compared."""
+    g = torch.Generator().manual_seed(21)
+    sizes = [1, 15, 33, 64, 1000, 4099]
+    ema = [with_special_values(random_tensor((n,), pair[0], "cpu", g), g) for n in sizes]
+    src = [with_special_values(random_tensor((n,), pair[1], "cpu", g), g) for n in sizes]
+    results = {}
+    for isa in fused_ema.build_info()["cpu_isas_available"]:
+        fused_ema.set_cpu_isa(isa)
+        lerped = [e.clone() for e in ema]
+        fused_ema.lerp_(lerped, src, 0.3)
+        lists = [[e.clone() for e in ema] for _ in range(3)]
+        fused_ema.bema_(*lists, src, (0.9, 0.3, 2.5))
+        results[isa] = lerped + [t for ts in lists for t in ts]
+    sixteen_bit = pair[0] in (torch.bfloat16, torch.float16)
+    for isa, out in results.items():
+        for i, (a, b) in enumerate(zip(out, results["default"])):
+            if sixteen_bit:
+                assert torch.equal(as_bits(a), as_bits(b)), f"{isa}: tensor {i}"
+            else:
+                same = (as_bits(a) == as_bits(b)) | (a.isnan() & b.isnan())
+                assert bool(same.all()), f"{isa}: tensor {i}"
+        if sixteen_bit:
+            nan_bits = torch.cat([as_bits(t)[t.isnan()] for t in out]).int() & 0xFFFF
+            assert len(nan_bits) > 0
+            if pair[0] == torch.bfloat16:
+                assert bool((nan_bits == 0x7FC0).all()), f"{isa}: {nan_bits.unique()}"
+            else:
+                assert bool(((nan_bits & 0x7FFF) == 0x7E00).all()), f"{isa}: {nan_bits.unique()}"
+
+
 @pytest.mark.parametrize("pair", SAME_DTYPE_PAIRS, ids=pair_id)
 def test_cpu_isa_paths_match_foreach(pair, restore_cpu_isa):
     ema, src = make_lists([7, 100, 4097], pair, "cpu", seed=15)

@@ -1,43 +1,23 @@
-// The CPU span kernel of fused_ema::bema_, compiled per instruction set with lerp_span.h (whose
-// load2/store2 it uses). ema and theta0 take lerp_span's formula, so they match lerp_ bit for
+// The CPU span kernel of fused_ema::bema_, compiled per instruction set with lerp_span.h (simd.h
+// its vectors). ema and theta0 take lerp_span's formula, so they match lerp_ bit for
 // bit; out follows the one order every backend uses (below), vector body and scalar tail alike.
 #pragma once
 
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
-
 #include <cmath>
 #include <cstdint>
-#include <tuple>
 #include <type_traits>
 
 #include "../opmath.h"
+#include "simd.h"
 #include "span_kernels.h"
 
 namespace fused_ema::cpu {
 inline namespace CPU_CAPABILITY {
 
 #ifdef FUSED_EMA_VECTORIZED
-// store2, then a and b become the values stored, read back in opmath (16-bit EMAs round).
-template <typename T>
-inline void store2_rounded(T* p, Vectorized<T>& a, Vectorized<T>& b) {
-  store2(p, a, b);
-}
-inline void store2_rounded(c10::BFloat16* p, Vectorized<float>& a, Vectorized<float>& b) {
-  const Vectorized<c10::BFloat16> stored = at::vec::convert_float_bfloat16(a, b);
-  stored.store(p);
-  std::tie(a, b) = at::vec::convert_bfloat16_float(stored);
-}
-inline void store2_rounded(c10::Half* p, Vectorized<float>& a, Vectorized<float>& b) {
-  const Vectorized<c10::Half> stored = at::vec::convert_float_half(a, b);
-  stored.store(p);
-  std::tie(a, b) = at::vec::convert_half_float(stored);
-}
-
 template <typename V>
 inline V lerp_vec(const V& e, const V& s, const V& coeff, bool small) {
-  return at::vec::fmadd(coeff, s - e, small ? e : s);
+  return fmadd(coeff, s - e, small ? e : s);
 }
 
 // theta' is only written by the pass: a plain store first reads each line it writes (4 more
@@ -55,14 +35,9 @@ inline bool streams(const E* out, int64_t n) {
   return false;
 }
 
-inline void stream2(float* p, const Vectorized<float>& a, const Vectorized<float>& b) {
-#if defined(CPU_CAPABILITY_AVX512)
-  _mm512_stream_ps(p, a);
-  _mm512_stream_ps(p + Vectorized<float>::size(), b);
-#else
-  _mm256_stream_ps(p, a);
-  _mm256_stream_ps(p + Vectorized<float>::size(), b);
-#endif
+inline void stream2(float* p, const VecF& a, const VecF& b) {
+  stream_store(p, a);
+  stream_store(p + kLanes, b);
 }
 #endif
 
@@ -84,11 +59,11 @@ void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
   constexpr bool kOut = (kWrites & 4) != 0;
   int64_t i = 0;
 #ifdef FUSED_EMA_VECTORIZED
-  using Vec = Vectorized<opmath_t>;
-  constexpr int64_t kStep = 2 * Vec::size();
-  const Vec vbeta(beta.coeff);
-  const Vec vw0(w0.coeff);
-  const Vec valpha(alpha);
+  using Vec = decltype(splat(alpha));
+  constexpr int64_t kStep = 2 * sizeof(Vec) / sizeof(opmath_t);
+  const Vec vbeta = splat(beta.coeff);
+  const Vec vw0 = splat(w0.coeff);
+  const Vec valpha = splat(alpha);
   const bool stream = kOut && streams(out, n);
   for (; i + kStep <= n; i += kStep) {
     Vec s0, s1, e0, e1, t0, t1;
@@ -110,8 +85,8 @@ void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
       }
     }
     if constexpr (kOut) {
-      const Vec o0 = at::vec::fmadd(valpha, s0 - t0, e0);
-      const Vec o1 = at::vec::fmadd(valpha, s1 - t1, e1);
+      const Vec o0 = fmadd(valpha, s0 - t0, e0);
+      const Vec o1 = fmadd(valpha, s1 - t1, e1);
       if constexpr (std::is_same_v<E, float>) {
         if (stream) {
           stream2(out + i, o0, o1);
@@ -132,7 +107,7 @@ void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
     if constexpr (kEma || kOut) {
       e = static_cast<opmath_t>(ema[i]);
       if constexpr (kEma) {
-        const auto stored = static_cast<E>(std::fma(beta.coeff, x - e, beta.small ? e : x));
+        const auto stored = narrow<E>(std::fma(beta.coeff, x - e, beta.small ? e : x));
         ema[i] = stored;
         e = static_cast<opmath_t>(stored);
       }
@@ -140,13 +115,13 @@ void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
     if constexpr (kTheta || kOut) {
       t = static_cast<opmath_t>(theta0[i]);
       if constexpr (kTheta) {
-        const auto stored = static_cast<E>(std::fma(w0.coeff, x - t, w0.small ? t : x));
+        const auto stored = narrow<E>(std::fma(w0.coeff, x - t, w0.small ? t : x));
         theta0[i] = stored;
         t = static_cast<opmath_t>(stored);
       }
     }
     if constexpr (kOut) {
-      out[i] = static_cast<E>(std::fma(alpha, x - t, e));
+      out[i] = narrow<E>(std::fma(alpha, x - t, e));
     }
   }
 }

@@ -3,49 +3,18 @@
 // the vector body, the scalar tail and every instruction set agree bit for bit.
 #pragma once
 
-#include <ATen/cpu/vec/vec.h>
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
-#include <tuple>
 
 #include "../opmath.h"
+#include "simd.h"
 #include "span_kernels.h"
 
 namespace fused_ema::cpu {
 inline namespace CPU_CAPABILITY {
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#define FUSED_EMA_VECTORIZED 1
-using at::vec::Vectorized;
-
-// Two opmath vectors' worth of elements, converted from/to 16-bit floats on the way.
-template <typename T>
-inline void load2(const T* p, Vectorized<T>& a, Vectorized<T>& b) {
-  a = Vectorized<T>::loadu(p);
-  b = Vectorized<T>::loadu(p + Vectorized<T>::size());
-}
-inline void load2(const c10::BFloat16* p, Vectorized<float>& a, Vectorized<float>& b) {
-  std::tie(a, b) = at::vec::convert_bfloat16_float(Vectorized<c10::BFloat16>::loadu(p));
-}
-inline void load2(const c10::Half* p, Vectorized<float>& a, Vectorized<float>& b) {
-  std::tie(a, b) = at::vec::convert_half_float(Vectorized<c10::Half>::loadu(p));
-}
-
-template <typename T>
-inline void store2(T* p, const Vectorized<T>& a, const Vectorized<T>& b) {
-  a.store(p);
-  b.store(p + Vectorized<T>::size());
-}
-inline void store2(c10::BFloat16* p, const Vectorized<float>& a, const Vectorized<float>& b) {
-  at::vec::convert_float_bfloat16(a, b).store(p);
-}
-inline void store2(c10::Half* p, const Vectorized<float>& a, const Vectorized<float>& b) {
-  at::vec::convert_float_half(a, b).store(p);
-}
-#endif
 
 // lerp_'s coefficient for a weight w rounded to opmath: coeff = w with base ema for |w| < 0.5,
 // else coeff = w - 1 with base src: PyTorch's choice, exact at both ends of [0, 1].
@@ -67,22 +36,22 @@ void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff)
   using opmath_t = typename OpMath<E>::type;
   int64_t i = 0;
 #ifdef FUSED_EMA_VECTORIZED
-  using Vec = Vectorized<opmath_t>;
-  constexpr int64_t kStep = 2 * Vec::size();
-  const Vec vcoeff(coeff);
+  using Vec = decltype(splat(coeff));
+  constexpr int64_t kStep = 2 * sizeof(Vec) / sizeof(opmath_t);
+  const Vec vcoeff = splat(coeff);
   for (; i + kStep <= n; i += kStep) {
     Vec e0, e1, s0, s1;
     load2(ema + i, e0, e1);
     load2(src + i, s0, s1);
-    const Vec r0 = at::vec::fmadd(vcoeff, s0 - e0, kSmallWeight ? e0 : s0);
-    const Vec r1 = at::vec::fmadd(vcoeff, s1 - e1, kSmallWeight ? e1 : s1);
+    const Vec r0 = fmadd(vcoeff, s0 - e0, kSmallWeight ? e0 : s0);
+    const Vec r1 = fmadd(vcoeff, s1 - e1, kSmallWeight ? e1 : s1);
     store2(ema + i, r0, r1);
   }
 #endif
   for (; i < n; ++i) {
     const opmath_t e = static_cast<opmath_t>(ema[i]);
     const opmath_t s = static_cast<opmath_t>(src[i]);
-    ema[i] = static_cast<E>(std::fma(coeff, s - e, kSmallWeight ? e : s));
+    ema[i] = narrow<E>(std::fma(coeff, s - e, kSmallWeight ? e : s));
   }
 }
 

@@ -1,4 +1,4 @@
-// AVX-512 build of the span kernels (F, BW, VL, DQ: what ATen's AVX512 vectors need), compiled
+// AVX-512 build of the span kernels (F, BW, VL, DQ), compiled
 // by setup.py with those -m flags into a library of its own. cpu_isa.cpp calls in only after
 // checking the CPU; built without the flags, this file yields no table.
 #include "span_kernels.h"

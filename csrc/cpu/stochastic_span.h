@@ -14,11 +14,8 @@
 #include <type_traits>
 
 #include "../stochastic_round.h"
+#include "simd.h"
 #include "span_kernels.h"
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 
 namespace fused_ema::cpu {
 inline namespace CPU_CAPABILITY {
@@ -49,28 +46,7 @@ void sr_scalar(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStr
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define FUSED_EMA_SR_VECTORIZED 1
-constexpr int kLanes = 16;
-using VecU = __m512i;
-using VecF = __m512;
-// 32-bit lanes as a GCC vector type, so that most of the vector code is written once, in the
-// scalar code's own operators; Words views the same register as 16-bit lanes.
-using Lanes = uint32_t __attribute__((vector_size(sizeof(VecU))));
-using Words = uint16_t __attribute__((vector_size(sizeof(VecU))));
-
-// The 16-bit words of 2 * kLanes elements (kLanes pairs' bits, in pair_lane order), zero-extended
-// to two vectors in element order. In-lane unpacks: cheaper than the cross-lane widening that
-// pairs in lane order would need.
-inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
-  lo = (Lanes)_mm512_unpacklo_epi16((VecU)bits, _mm512_setzero_si512());
-  hi = (Lanes)_mm512_unpackhi_epi16((VecU)bits, _mm512_setzero_si512());
-}
 inline Lanes min_lanes(Lanes a, Lanes b) { return (Lanes)_mm512_min_epu32((VecU)a, (VecU)b); }
-// 2 * kLanes 16-bit results from two vectors of 32-bit ones.
-inline void store_bits(void* p, Lanes a, Lanes b) {
-  _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16((VecU)a));
-  _mm256_storeu_si256(static_cast<__m256i*>(p) + 1, _mm512_cvtepi32_epi16((VecU)b));
-}
 // The float16 bits of two vectors of floats (as bits), converted toward zero, in element order.
 inline Words to_half_toward_zero(Lanes a, Lanes b) {
   constexpr int kTowardZero = _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC;
@@ -82,31 +58,8 @@ inline Words to_half_toward_zero(Lanes a, Lanes b) {
 inline bool any_above(Words a, uint16_t b) {
   return _mm512_cmpgt_epu16_mask((VecU)a, _mm512_set1_epi16(static_cast<int16_t>(b))) != 0;
 }
-// 2 * kLanes float16 values as floats: a conversion from memory each, no shuffle (ATen's load2
-// reads one vector and extracts its upper half).
-inline void load_floats(const c10::Half* p, VecF& a, VecF& b) {
-  a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + 1));
-}
-
 #elif defined(CPU_CAPABILITY_AVX2)
-#define FUSED_EMA_SR_VECTORIZED 1
-constexpr int kLanes = 8;
-using VecU = __m256i;
-using VecF = __m256;
-using Lanes = uint32_t __attribute__((vector_size(sizeof(VecU))));
-using Words = uint16_t __attribute__((vector_size(sizeof(VecU))));
-
-inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
-  lo = (Lanes)_mm256_unpacklo_epi16((VecU)bits, _mm256_setzero_si256());
-  hi = (Lanes)_mm256_unpackhi_epi16((VecU)bits, _mm256_setzero_si256());
-}
 inline Lanes min_lanes(Lanes a, Lanes b) { return (Lanes)_mm256_min_epu32((VecU)a, (VecU)b); }
-// packus works per 128-bit lane: the permute puts the halves back in order.
-inline void store_bits(void* p, Lanes a, Lanes b) {
-  const VecU packed = _mm256_permute4x64_epi64(_mm256_packus_epi32((VecU)a, (VecU)b), 0xD8);
-  _mm256_storeu_si256(static_cast<__m256i*>(p), packed);
-}
 inline Words to_half_toward_zero(Lanes a, Lanes b) {
   const __m128i lo = _mm256_cvtps_ph((VecF)a, _MM_FROUND_TO_ZERO);
   const __m128i hi = _mm256_cvtps_ph((VecF)b, _MM_FROUND_TO_ZERO);
@@ -118,15 +71,9 @@ inline bool any_above(Words a, uint16_t b) {
   const VecU above = _mm256_cmpgt_epi16((VecU)(a ^ flip), _mm256_set1_epi16(b ^ flip));
   return _mm256_movemask_epi8(above) != 0;
 }
-inline void load_floats(const c10::Half* p, VecF& a, VecF& b) {
-  a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1));
-}
 #endif
 
-#ifdef FUSED_EMA_SR_VECTORIZED
-inline Lanes splat(uint32_t x) { return Lanes{} + x; }
-
+#ifdef FUSED_EMA_VECTORIZED
 // The pair that lane j of a hash vector takes, of kLanes consecutive ones: widen_words unpacks
 // the low (high) 4 words of each 128-bit lane, 2 pairs', into the first (second) result vector.
 constexpr uint32_t pair_lane(int j) {
@@ -147,7 +94,7 @@ inline Lanes pair_inputs(uint32_t lo, uint64_t k) {
 
 // sr::round_bf16, lane by lane.
 inline Lanes round_bf16_vec(Lanes bits, Lanes word) {
-  return (bits & sr::kF32AbsMask) > sr::kF32Inf ? splat(sr::kBF16NaN) : (bits + word) >> 16;
+  return (bits & sr::kF32AbsMask) > sr::kF32Inf ? splat_lanes(sr::kBF16NaN) : (bits + word) >> 16;
 }
 
 // sr::round_f16, lane by lane, in integer arithmetic, `nudge` each element's 0x1FFF - word / 8
@@ -165,25 +112,12 @@ inline Lanes round_bf16_vec(Lanes bits, Lanes word) {
   const Lanes abs = bits & sr::kF32AbsMask;
   // From 2**16 up (abs + nudge >= kOverflow) the truncation is at least infinity's bits: a minimum.
   static_assert(((kOverflow - kRebias) >> sr::kF16DroppedBits) == sr::kF16Inf);
-  Lanes half = min_lanes((abs + nudge - kRebias) >> sr::kF16DroppedBits, splat(sr::kF16Inf));
+  Lanes half = min_lanes((abs + nudge - kRebias) >> sr::kF16DroppedBits, splat_lanes(sr::kF16Inf));
   const auto subnormal = (Lanes)(abs < kFirstNormal);
   const Floats steps = (Floats)(abs & subnormal) * 0x1p40f;
   half = subnormal ? ((Lanes) __builtin_convertvector(steps, Ints) + rest) >> 16 : half;
-  half = abs > sr::kF32Inf ? splat(sr::kF16QuietNaN) : half;
+  half = abs > sr::kF32Inf ? splat_lanes(sr::kF16QuietNaN) : half;
   return ((bits >> 16) & (sr::kF32SignMask >> 16)) | half;
-}
-
-// lerp_span.h's load2, but for float16 load_floats.
-template <typename T, typename Vec>
-[[gnu::always_inline]] inline void sr_load2(const T* p, Vec& a, Vec& b) {
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    VecF lo, hi;
-    load_floats(p, lo, hi);
-    a = lo;
-    b = hi;
-  } else {
-    load2(p, a, b);
-  }
 }
 
 // Rounds 2 * kLanes elements (floats' bits lo, hi; their pairs' hash words in pair_lane order) to
@@ -224,23 +158,21 @@ template <typename E, typename S, bool kSmallWeight>
 void sr_range(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStream& st,
               uint64_t first) {
   int64_t i = 0;
-#ifdef FUSED_EMA_SR_VECTORIZED
-  using Vec = at::vec::Vectorized<float>;
-  static_assert(Vec::size() == kLanes);
+#ifdef FUSED_EMA_VECTORIZED
   // kLanes pairs a block, from an even element on.
   i = std::min<int64_t>(n, static_cast<int64_t>(first & 1));
   sr_scalar<E, S, kSmallWeight>(ema, src, i, coeff, st, first);
-  const Vec vcoeff(coeff);
+  const VecF vcoeff = splat(coeff);
   const uint32_t k1 = sr::hi32(st.k);
   Lanes x = pair_inputs(sr::lo32((first + static_cast<uint64_t>(i)) >> 1), st.k);
   for (; i + 2 * kLanes <= n; i += 2 * kLanes, x += kLanes * sr::kPairStep) {
     const Lanes words = sr::lowbias32(x, k1);
-    Vec e0, e1, s0, s1;
-    sr_load2(ema + i, e0, e1);
-    sr_load2(src + i, s0, s1);
-    const Vec r0 = at::vec::fmadd(vcoeff, s0 - e0, kSmallWeight ? e0 : s0);
-    const Vec r1 = at::vec::fmadd(vcoeff, s1 - e1, kSmallWeight ? e1 : s1);
-    round_store(ema + i, (Lanes) static_cast<VecF>(r0), (Lanes) static_cast<VecF>(r1), words);
+    VecF e0, e1, s0, s1;
+    load2(ema + i, e0, e1);
+    load2(src + i, s0, s1);
+    const VecF r0 = fmadd(vcoeff, s0 - e0, kSmallWeight ? e0 : s0);
+    const VecF r1 = fmadd(vcoeff, s1 - e1, kSmallWeight ? e1 : s1);
+    round_store(ema + i, (Lanes)r0, (Lanes)r1, words);
   }
 #endif
   sr_scalar<E, S, kSmallWeight>(ema + i, src + i, n - i, coeff, st, first + i);
