@@ -225,7 +225,7 @@ def extension(libraries: list):
             "fused_ema._C",
             sources + CUDA_SOURCES,
             define_macros=[("FUSED_EMA_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "-DUSE_CUDA"]},
             extra_link_args=link_flags,
         )
     print(f"fused_ema: building the CPU variant ({reason})")

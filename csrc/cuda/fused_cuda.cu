@@ -1,15 +1,13 @@
 // The CUDA runner of the fused-op family (fused_op.h): the torch glue around fused_launch.cuh,
 // which groups a device's pairs by dtype pair and launches each group in as few launches as the
 // kernel-parameter metadata allows, on the current stream of that device.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <vector>
 
 #include "../fused_op.h"
 #include "fused_launch.cuh"
+#include "torch_cuda.h"
 
 namespace fused_ema::cuda {
 namespace {
@@ -24,19 +22,19 @@ CallWeights call_weights(const FusedWeights& w) {
 }
 
 void run_fused(const DevicePlan& plan, const FusedCall& call) {
-  const c10::cuda::CUDAGuard guard(plan.device);
-  const StreamLaunch launch{c10::cuda::getCurrentCUDAStream(plan.device.index()).stream()};
+  const DeviceGuard guard(plan.device.index());
+  const StreamLaunch launch{current_stream(plan.device.index())};
   const CallWeights weights = call_weights(call.weights);
   if (call.bema()) {
     const std::vector<BemaItem> items = bema_items(plan, call.tensors);
-    C10_CUDA_CHECK(launch_bema_call(items.data(), items.size(), weights, launch));
+    FUSED_EMA_CUDA_CHECK(launch_bema_call(items.data(), items.size(), weights, launch));
   } else {
     const FusedRounding& r = call.rounding;
     const StepArg step{
         r.step, r.step_tensor != nullptr ? r.step_tensor->const_data_ptr<int64_t>() : nullptr};
     const LerpCall lerp{call.tensors, call.weights.tracks, weights,       call.stochastic(),
                         step,         r.seeds.data(),      r.keys.data(), r.offsets.data()};
-    C10_CUDA_CHECK(launch_lerp_call(plan.pairs.data(), plan.pairs.size(), lerp, launch));
+    FUSED_EMA_CUDA_CHECK(launch_lerp_call(plan.pairs.data(), plan.pairs.size(), lerp, launch));
   }
   plan.write_back();
 }

@@ -2,12 +2,10 @@
 // and writes the weight of that step, in stream order, so that lerp_.Tensor can read it without a
 // host sync. Reading config values on the host would sync, so the caller validates them before
 // writing config (ModelEma does); an invalid config writes weight 0 and decay NaN here.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "../schedule.h"
+#include "torch_cuda.h"
 
 namespace fused_ema::cuda {
 namespace {
@@ -20,12 +18,12 @@ __global__ void ema_schedule_kernel(int64_t* step, double* out, const double* co
 void ema_schedule_cuda(const at::Tensor& step, const at::Tensor& out, const at::Tensor& config,
                        bool advance) {
   check_schedule_tensors(step, out, config);
-  const c10::cuda::CUDAGuard guard(step.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(step.device().index()).stream();
+  const DeviceGuard guard(step.device().index());
+  const cudaStream_t stream = current_stream(step.device().index());
   ema_schedule_kernel<<<1, 1, 0, stream>>>(step.mutable_data_ptr<int64_t>(),
                                            out.mutable_data_ptr<double>(),
                                            config.const_data_ptr<double>(), advance);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  FUSED_EMA_CUDA_CHECK(cudaGetLastError());
 }
 
 [[maybe_unused]] const bool kRegistered =
