@@ -93,9 +93,9 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   if (!(config[kMinDecay] >= 0.0 && config[kMinDecay] <= decay)) {
     return kMinDecay;
   }
-  const bool power_warmup = config[kWarmupKind] == kPowerWarmup;
+  const bool power_warmup = config[kWarmupKind] == static_cast<double>(kPowerWarmup);
   // A power-function profile t^gamma is integrable (a finite average) for gamma > -1.
-  const bool power_function = config[kWarmupKind] == kPowerFunction;
+  const bool power_function = config[kWarmupKind] == static_cast<double>(kPowerFunction);
   if (!finite(gamma) || (power_warmup && !(gamma > 0.0)) || (power_function && !(gamma > -1.0))) {
     return kWarmupGamma;
   }
@@ -108,7 +108,7 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   if (!whole_in(config[kUpdateEvery], 1.0, max_step)) {
     return kUpdateEvery;
   }
-  if (!whole_in(config[kWarmupKind], 0.0, kNumWarmupKinds - 1.0)) {
+  if (!whole_in(config[kWarmupKind], 0.0, static_cast<double>(kNumWarmupKinds) - 1.0)) {
     return kWarmupKind;
   }
   if (!whole_in(config[kUpdateEveryDecay], 0.0, 1.0)) {
@@ -116,7 +116,7 @@ FUSED_EMA_HOST_DEVICE inline int first_bad_field(const double* config) {
   }
   // BEMA's four fields: finite, and >= 0 with BEMA (its base lag + multiplier * step stays > 0
   // for every step >= 1), 0 for the other kinds.
-  const bool bema = config[kWarmupKind] >= kBemaEma;
+  const bool bema = config[kWarmupKind] >= static_cast<double>(kBemaEma);
   for (int field = kBemaLag; field <= kBemaBiasPower; ++field) {
     const double x = config[field];
     const bool base_positive = field != kBemaMultiplier || config[kBemaLag] + x > 0.0;
