@@ -1,31 +1,82 @@
 // ModelEma.swapped(): the EMA's values and the model's exchanged in place, in one call
 // (fused_ema/_model/swap.py prepares it). Every check comes before the first write, and `state`
 // records which way the values lie, so that a call repeated after an interrupt does nothing.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+// The extension's first op on torch's stable ABI, built for torch 2.11 (docs/internals.md).
+#define TORCH_TARGET_VERSION (((0ULL + 2) << 56) | ((0ULL + 11) << 48))
 
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace fused_ema {
 namespace {
 
+using torch::stable::Tensor;
+using TensorList = std::vector<Tensor>;
+
 constexpr const char* kOp = "fused_ema.swap_values_: ";
 
+// A refusal: std::invalid_argument, which torch 2.11-2.13 raise as ValueError and 2.15 as
+// RuntimeError (a stable kernel's exception loses its type there).
+template <typename... Parts>
+[[noreturn]] void refuse(const Parts&... parts) {
+  std::ostringstream message;
+  message << kOp;
+  (message << ... << parts);
+  throw std::invalid_argument(message.str());
+}
+
+// "cpu", "cuda:0", as torch prints a device.
+std::string device_name(const Tensor& t) {
+  const torch::stable::Device device = t.device();
+  if (device.is_cpu()) {
+    return "cpu";
+  }
+  if (device.is_cuda()) {
+    return "cuda:" + std::to_string(device.index());
+  }
+  return "device type " + std::to_string(static_cast<int>(device.type()));
+}
+
+// "Float[7, 5] on cpu", as torch prints a tensor's dtype, shape and device.
+std::string describe(const Tensor& t) {
+  std::ostringstream out;
+  out << torch::headeronly::toString(t.scalar_type()) << '[';
+  const auto sizes = t.sizes();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    out << (d > 0 ? ", " : "") << sizes[d];
+  }
+  out << "] on " << device_name(t);
+  return out.str();
+}
+
+bool same_place(const Tensor& a, const Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.device() == b.device();
+}
+
 // The scratch buffer of a's dtype and device (Python allocates one per pair of them).
-const at::Tensor& scratch_for(at::TensorList scratch, const at::Tensor& a, size_t i) {
-  for (const at::Tensor& s : scratch) {
-    if (s.scalar_type() == a.scalar_type() && s.device() == a.device()) {
+const Tensor& scratch_for(const TensorList& scratch, const Tensor& a, size_t i) {
+  for (const Tensor& s : scratch) {
+    if (same_place(s, a)) {
       return s;
     }
   }
-  TORCH_CHECK_VALUE(false, kOp, "no scratch buffer of ", a.scalar_type(), " on ", a.device(),
-                    " for pair ", i);
+  refuse("no scratch buffer of ", torch::headeronly::toString(a.scalar_type()), " on ",
+         device_name(a), " for pair ", i);
 }
 
 // How many leading-dimension rows (flat elements, when both are contiguous) one exchange through
 // `scratch` moves.
-int64_t piece_length(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scratch,
-                     size_t i) {
+int64_t piece_length(const Tensor& a, const Tensor& b, const Tensor& scratch, size_t i) {
   if (a.is_contiguous() && b.is_contiguous()) {
     return scratch.numel();
   }
@@ -33,36 +84,54 @@ int64_t piece_length(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
     return 1;
   }
   const int64_t row = a.numel() / a.size(0);
-  TORCH_CHECK_VALUE(row <= scratch.numel(), kOp, "pair ", i, ": a row of ", row,
-                    " elements does not fit the scratch buffer's ", scratch.numel());
+  if (row > scratch.numel()) {
+    refuse("pair ", i, ": a row of ", row, " elements does not fit the scratch buffer's ",
+           scratch.numel());
+  }
   return scratch.numel() / std::max<int64_t>(row, 1);
 }
 
-void check_pair(const at::Tensor& a, const at::Tensor& b, size_t i) {
-  TORCH_CHECK_VALUE(a.defined() && b.defined(), kOp, "pair ", i, " holds an undefined tensor");
-  TORCH_CHECK_VALUE(
-      a.scalar_type() == b.scalar_type() && a.device() == b.device() && a.sizes() == b.sizes(), kOp,
-      "pair ", i, ": ", a.scalar_type(), a.sizes(), " on ", a.device(),
-      " cannot exchange values with ", b.scalar_type(), b.sizes(), " on ", b.device());
-  if (a.numel() > 0 && a.data_ptr() != b.data_ptr()) {
-    const auto span = [](const at::Tensor& t) {
+void check_pair(const Tensor& a, const Tensor& b, size_t i) {
+  if (!a.defined() || !b.defined()) {
+    refuse("pair ", i, " holds an undefined tensor");
+  }
+  if (!same_place(a, b) || !a.sizes().equals(b.sizes())) {
+    refuse("pair ", i, ": ", describe(a), " cannot exchange values with ", describe(b));
+  }
+  if (a.numel() > 0 && a.data_ptr() != b.data_ptr() && a.is_contiguous() && b.is_contiguous()) {
+    const auto span = [](const Tensor& t) {
       const auto* first = static_cast<const char*>(t.data_ptr());
-      return std::make_pair(first, first + t.numel() * t.element_size());
+      return std::make_pair(first, first + t.numel() * static_cast<int64_t>(t.element_size()));
     };
     const auto [a0, a1] = span(a);
     const auto [b0, b1] = span(b);
-    TORCH_CHECK_VALUE(!a.is_contiguous() || !b.is_contiguous() || a1 <= b0 || b1 <= a0, kOp,
-                      "pair ", i, ": the two tensors overlap in memory");
+    if (a1 > b0 && b1 > a0) {
+      refuse("pair ", i, ": the two tensors overlap in memory");
+    }
   }
 }
 
-void swap_values(at::TensorList a, at::TensorList b, at::TensorList scratch,
-                 const at::Tensor& state, int64_t into) {
-  TORCH_CHECK_VALUE(a.size() == b.size(), kOp, a.size(), " tensors cannot pair with ", b.size());
-  TORCH_CHECK_VALUE(state.is_cpu() && state.scalar_type() == at::kLong && state.numel() == 1, kOp,
-                    "state must be one CPU int64 element");
-  TORCH_CHECK_VALUE(into == 0 || into == 1, kOp, "into must be 0 or 1, got ", into);
-  if (state.item<int64_t>() == into) {
+// A flat (contiguous) or at least one-dimensional view of t, to cut into rows.
+Tensor rows_of(const Tensor& t, bool flat) {
+  if (flat || t.dim() == 0) {
+    const int64_t all[] = {-1};
+    return torch::stable::view(t, all);
+  }
+  return t;
+}
+
+void swap_values(TensorList a, TensorList b, TensorList scratch, Tensor state, int64_t into) {
+  if (a.size() != b.size()) {
+    refuse(a.size(), " tensors cannot pair with ", b.size());
+  }
+  if (!state.is_cpu() || state.scalar_type() != torch::headeronly::ScalarType::Long ||
+      state.numel() != 1) {
+    refuse("state must be one CPU int64 element");
+  }
+  if (into != 0 && into != 1) {
+    refuse("into must be 0 or 1, got ", into);
+  }
+  if (*state.const_data_ptr<int64_t>() == into) {
     return;  // done already: a retry after an interrupt
   }
   std::vector<int64_t> lengths(a.size());
@@ -76,25 +145,27 @@ void swap_values(at::TensorList a, at::TensorList b, at::TensorList scratch,
     if (lengths[i] == 0) {
       continue;  // nothing to move, or a pair that is one tensor
     }
-    const at::Tensor& buffer = scratch_for(scratch, a[i], i);
+    Tensor buffer = scratch_for(scratch, a[i], i);
     const bool flat = a[i].is_contiguous() && b[i].is_contiguous();
-    const at::Tensor x = flat ? a[i].view(-1) : a[i].dim() == 0 ? a[i].view(1) : a[i];
-    const at::Tensor y = flat ? b[i].view(-1) : b[i].dim() == 0 ? b[i].view(1) : b[i];
+    Tensor x = rows_of(a[i], flat);
+    Tensor y = rows_of(b[i], flat);
     for (int64_t start = 0; start < x.size(0); start += lengths[i]) {
       const int64_t n = std::min(lengths[i], x.size(0) - start);
-      const at::Tensor xs = x.narrow(0, start, n), ys = y.narrow(0, start, n);
-      at::Tensor held = buffer.narrow(0, 0, xs.numel()).view(xs.sizes());
-      held.copy_(xs);
-      xs.copy_(ys);
-      ys.copy_(held);
+      Tensor xs = torch::stable::narrow(x, 0, start, n);
+      Tensor ys = torch::stable::narrow(y, 0, start, n);
+      Tensor held =
+          torch::stable::view(torch::stable::narrow(buffer, 0, 0, xs.numel()), xs.sizes());
+      torch::stable::copy_(held, xs);
+      torch::stable::copy_(xs, ys);
+      torch::stable::copy_(ys, held);
     }
   }
-  state.fill_(into);
+  torch::stable::fill_(state, static_cast<double>(into));
 }
 
 }  // namespace
 }  // namespace fused_ema
 
-TORCH_LIBRARY_IMPL(fused_ema, CompositeExplicitAutograd, m) {
-  m.impl("swap_values_", &fused_ema::swap_values);
+STABLE_TORCH_LIBRARY_IMPL(fused_ema, CompositeExplicitAutograd, m) {
+  m.impl("swap_values_", TORCH_BOX(&fused_ema::swap_values));
 }
