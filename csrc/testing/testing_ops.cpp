@@ -1,13 +1,17 @@
 // Test-only operators, in a library of their own (torch.ops.fused_ema_testing) so that neither
 // fused_ema._C nor torch.ops.fused_ema carries them; fused_ema/_ext/testing.py wraps them.
 // sr_words and stochastic_round let tests compare stochastic_round.h's random stream and rounding
-// bit for bit with a Python reference.
-#include <ATen/ATen.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+// bit for bit with a Python reference. On torch's stable ABI, built for torch 2.11.
+#define TORCH_TARGET_VERSION (((0ULL + 2) << 56) | ((0ULL + 11) << 48))
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "../stochastic_round.h"
@@ -25,12 +29,22 @@ bool small_params(int set);  // set < 0: read only; returns the previous setting
 namespace fused_ema::testing {
 namespace {
 
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+void require(bool ok, const std::string& message) {
+  if (!ok) {
+    throw std::invalid_argument(message);
+  }
+}
+
 // sr_words(seed, step, key, offset, n) -> int32 tensor: the 16 random bits of elements offset ..
 // offset + n - 1 of tensor `key` at (seed, step). seed, step and offset are taken modulo 2**64
 // (two's complement), key modulo 2**32.
-at::Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t n) {
-  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
-  at::Tensor out = at::empty({n}, at::kInt);
+Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t n) {
+  require(n >= 0, "n must be >= 0, got " + std::to_string(n));
+  const int64_t size[] = {n};
+  Tensor out = torch::stable::empty(size, ScalarType::Int);
   int32_t* words = out.mutable_data_ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
     words[i] = static_cast<int32_t>(
@@ -43,16 +57,15 @@ at::Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int
 // stochastic_round(values: float32 CPU tensor, "bfloat16" | "float16", seed, step, key, offset)
 // -> tensor: element i rounded with the word of element offset + i. seed, step and offset are
 // taken modulo 2**64 (two's complement), key modulo 2**32.
-at::Tensor stochastic_round(const at::Tensor& values_in, const std::string& dtype, int64_t seed,
-                            int64_t step, int64_t key, int64_t offset) {
-  const at::Tensor values = values_in.contiguous();
-  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat && values.is_cpu(),
-                    "values must be a float32 CPU tensor");
+Tensor stochastic_round(Tensor values_in, std::string dtype, int64_t seed, int64_t step,
+                        int64_t key, int64_t offset) {
+  require(values_in.scalar_type() == ScalarType::Float && values_in.is_cpu(),
+          "values must be a float32 CPU tensor");
+  const Tensor values = torch::stable::contiguous(values_in);
   const bool bf16 = dtype == "bfloat16";
-  TORCH_CHECK_VALUE(bf16 || dtype == "float16", "dtype must be 'bfloat16' or 'float16', got ",
-                    dtype);
-  at::Tensor out =
-      at::empty(values.sizes(), values.options().dtype(bf16 ? at::kBFloat16 : at::kHalf));
+  require(bf16 || dtype == "float16", "dtype must be 'bfloat16' or 'float16', got " + dtype);
+  Tensor out = torch::stable::new_empty(values, values.sizes(),
+                                        bf16 ? ScalarType::BFloat16 : ScalarType::Half);
   const float* in = values.const_data_ptr<float>();
   auto* bits = static_cast<uint16_t*>(out.mutable_data_ptr());
   const auto offset_u = static_cast<uint64_t>(offset);
@@ -80,12 +93,16 @@ bool cuda_small_params(int64_t set) {
 }  // namespace
 }  // namespace fused_ema::testing
 
-TORCH_LIBRARY(fused_ema_testing, m) {
-  m.def("sr_words(int seed, int step, int key, int offset, int n) -> Tensor",
-        &fused_ema::testing::sr_words);
+STABLE_TORCH_LIBRARY(fused_ema_testing, m) {
+  m.def("sr_words(int seed, int step, int key, int offset, int n) -> Tensor");
   m.def(
       "stochastic_round(Tensor values, str dtype, int seed, int step, int key, int offset) -> "
-      "Tensor",
-      &fused_ema::testing::stochastic_round);
-  m.def("cuda_small_params(int set=-1) -> bool", &fused_ema::testing::cuda_small_params);
+      "Tensor");
+  m.def("cuda_small_params(int set=-1) -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(fused_ema_testing, CompositeExplicitAutograd, m) {
+  m.impl("sr_words", TORCH_BOX(&fused_ema::testing::sr_words));
+  m.impl("stochastic_round", TORCH_BOX(&fused_ema::testing::stochastic_round));
+  m.impl("cuda_small_params", TORCH_BOX(&fused_ema::testing::cuda_small_params));
 }
