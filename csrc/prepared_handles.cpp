@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "module_walk.h"
@@ -94,7 +95,14 @@ void set_python_error(const std::exception& err) {
   }
   PyObject* type = PyExc_RuntimeError;
   const char* message = err.what();
-  if (const auto* e = dynamic_cast<const c10::Error*>(&err)) {
+  // The standard types as pybind11 (and torch's stable kernels up to 2.13) raise them; the code
+  // on torch's stable ABI has no c10 types to throw.
+  if (dynamic_cast<const std::invalid_argument*>(&err) != nullptr ||
+      dynamic_cast<const std::domain_error*>(&err) != nullptr) {
+    type = PyExc_ValueError;
+  } else if (dynamic_cast<const std::out_of_range*>(&err) != nullptr) {
+    type = PyExc_IndexError;
+  } else if (const auto* e = dynamic_cast<const c10::Error*>(&err)) {
     message = e->what_without_backtrace();
     if (dynamic_cast<const c10::ValueError*>(&err) != nullptr) {
       type = PyExc_ValueError;

@@ -2,6 +2,7 @@
 fails with an ImportError that says how to build, never with a silent fallback."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -99,6 +100,31 @@ def test_import_without_compiled_kernels_says_how_to_build(tmp_path):
     assert result.returncode != 0
     assert "ImportError" in result.stderr
     assert "pip install --no-build-isolation" in result.stderr
+
+
+@pytest.mark.parametrize("requested", ["default", "bogus"])
+def test_the_cpu_path_can_be_chosen_by_environment_variable(requested):
+    # FUSED_EMA_CPU_ISA picks the path at import; a path this machine lacks warns and the best
+    # available one serves.
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "import fused_ema\n"
+        "info = fused_ema.build_info()\n"
+        "print(fused_ema.cpu_isa(), info['cpu_isas_available'][-1])"
+    )
+    env = {**os.environ, "FUSED_EMA_CPU_ISA": requested}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    chosen, best = result.stdout.split()
+    if requested == "default":
+        assert chosen == "default" and "FUSED_EMA_CPU_ISA" not in result.stderr
+    else:
+        assert chosen == best
+        assert (
+            "RuntimeWarning: fused_ema: FUSED_EMA_CPU_ISA=bogus is not available" in result.stderr
+        )
 
 
 @pytest.mark.parametrize("patch", [False, True], ids=["another release", "another patch"])

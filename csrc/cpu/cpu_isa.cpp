@@ -1,10 +1,8 @@
 // CPU feature detection and the process-wide choice of span-kernel table (see cpu_isa.h).
 #include "cpu_isa.h"
 
-#include <c10/util/Exception.h>
-
 #include <atomic>
-#include <cstdlib>
+#include <stdexcept>
 
 #include "../join.h"
 
@@ -63,23 +61,8 @@ int best_available() {
   return 0;
 }
 
-int initial_choice() {
-  const char* requested = std::getenv("FUSED_EMA_CPU_ISA");
-  if (requested == nullptr || *requested == '\0') {
-    return best_available();
-  }
-  const int k = find(requested);
-  if (k >= 0 && available(k)) {
-    return k;
-  }
-  TORCH_WARN("fused_ema: FUSED_EMA_CPU_ISA=", requested,
-             " is not available here (available: ", join(available_isas()), "); using ",
-             kIsas[best_available()].name);
-  return best_available();
-}
-
 std::atomic<int>& choice() {
-  static std::atomic<int> value{initial_choice()};
+  static std::atomic<int> value{best_available()};  // FUSED_EMA_CPU_ISA: _ext/loader.py
   return value;
 }
 
@@ -104,8 +87,10 @@ std::string active_isa() { return kIsas[choice().load()].name; }
 
 void set_active_isa(const std::string& isa) {
   const int k = find(isa);
-  TORCH_CHECK_VALUE(k >= 0 && available(k), "fused_ema: CPU instruction set '", isa,
-                    "' is not available here; available: ", join(available_isas()));
+  if (k < 0 || !available(k)) {
+    throw std::invalid_argument("fused_ema: CPU instruction set '" + isa +
+                                "' is not available here; available: " + join(available_isas()));
+  }
   choice().store(k);
 }
 

@@ -2,6 +2,9 @@
 A missing build, or one made for another torch release, raises an ImportError that says how to
 build; there is no silent pure-PyTorch stand-in."""
 
+import os
+import warnings
+
 import torch  # (loads libtorch before the extension that links against it)
 
 REBUILD = (
@@ -33,5 +36,24 @@ except ImportError as err:
     ) from err
 
 check_built_for(_C.TORCH_VERSION_BUILT, torch.__version__)
+
+
+def apply_isa_request(requested: str | None) -> None:
+    """FUSED_EMA_CPU_ISA chooses the CPU path at import; one this machine lacks warns, and the
+    best available serves."""
+    if not requested:
+        return
+    try:
+        _C.set_cpu_isa(requested)
+    except ValueError:
+        warnings.warn(
+            f"fused_ema: FUSED_EMA_CPU_ISA={requested} is not available here (available: "
+            f"{', '.join(_C.available_cpu_isas())}); using {_C.cpu_isa()}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+apply_isa_request(os.environ.get("FUSED_EMA_CPU_ISA"))
 
 __all__ = ["_C"]
