@@ -1,7 +1,9 @@
 // ModelEma.swapped(): the EMA's values and the model's exchanged in place, in one call
 // (fused_ema/_model/swap.py prepares it). Every check comes before the first write, and `state`
 // records which way the values lie, so that a call repeated after an interrupt does nothing.
-// The extension's first op on torch's stable ABI, built for torch 2.11 (docs/internals.md).
+// The extension's first op on torch's stable ABI, built for torch 2.11 (docs/internals.md); its
+// refusals are std::invalid_argument (refuse.h): ValueError under torch 2.11-2.13, RuntimeError
+// under 2.15.
 #define TORCH_TARGET_VERSION (((0ULL + 2) << 56) | ((0ULL + 11) << 48))
 
 #include <torch/csrc/stable/library.h>
@@ -12,10 +14,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "refuse.h"
 
 namespace fused_ema {
 namespace {
@@ -24,16 +27,6 @@ using torch::stable::Tensor;
 using TensorList = std::vector<Tensor>;
 
 constexpr const char* kOp = "fused_ema.swap_values_: ";
-
-// A refusal: std::invalid_argument, which torch 2.11-2.13 raise as ValueError and 2.15 as
-// RuntimeError (a stable kernel's exception loses its type there).
-template <typename... Parts>
-[[noreturn]] void refuse(const Parts&... parts) {
-  std::ostringstream message;
-  message << kOp;
-  (message << ... << parts);
-  throw std::invalid_argument(message.str());
-}
 
 // "cpu", "cuda:0", as torch prints a device.
 std::string device_name(const Tensor& t) {
@@ -70,7 +63,7 @@ const Tensor& scratch_for(const TensorList& scratch, const Tensor& a, size_t i) 
       return s;
     }
   }
-  refuse("no scratch buffer of ", torch::headeronly::toString(a.scalar_type()), " on ",
+  refuse(kOp, "no scratch buffer of ", torch::headeronly::toString(a.scalar_type()), " on ",
          device_name(a), " for pair ", i);
 }
 
@@ -85,7 +78,7 @@ int64_t piece_length(const Tensor& a, const Tensor& b, const Tensor& scratch, si
   }
   const int64_t row = a.numel() / a.size(0);
   if (row > scratch.numel()) {
-    refuse("pair ", i, ": a row of ", row, " elements does not fit the scratch buffer's ",
+    refuse(kOp, "pair ", i, ": a row of ", row, " elements does not fit the scratch buffer's ",
            scratch.numel());
   }
   return scratch.numel() / std::max<int64_t>(row, 1);
@@ -93,10 +86,10 @@ int64_t piece_length(const Tensor& a, const Tensor& b, const Tensor& scratch, si
 
 void check_pair(const Tensor& a, const Tensor& b, size_t i) {
   if (!a.defined() || !b.defined()) {
-    refuse("pair ", i, " holds an undefined tensor");
+    refuse(kOp, "pair ", i, " holds an undefined tensor");
   }
   if (!same_place(a, b) || !a.sizes().equals(b.sizes())) {
-    refuse("pair ", i, ": ", describe(a), " cannot exchange values with ", describe(b));
+    refuse(kOp, "pair ", i, ": ", describe(a), " cannot exchange values with ", describe(b));
   }
   if (a.numel() > 0 && a.data_ptr() != b.data_ptr() && a.is_contiguous() && b.is_contiguous()) {
     const auto span = [](const Tensor& t) {
@@ -106,7 +99,7 @@ void check_pair(const Tensor& a, const Tensor& b, size_t i) {
     const auto [a0, a1] = span(a);
     const auto [b0, b1] = span(b);
     if (a1 > b0 && b1 > a0) {
-      refuse("pair ", i, ": the two tensors overlap in memory");
+      refuse(kOp, "pair ", i, ": the two tensors overlap in memory");
     }
   }
 }
@@ -122,14 +115,14 @@ Tensor rows_of(const Tensor& t, bool flat) {
 
 void swap_values(TensorList a, TensorList b, TensorList scratch, Tensor state, int64_t into) {
   if (a.size() != b.size()) {
-    refuse(a.size(), " tensors cannot pair with ", b.size());
+    refuse(kOp, a.size(), " tensors cannot pair with ", b.size());
   }
   if (!state.is_cpu() || state.scalar_type() != torch::headeronly::ScalarType::Long ||
       state.numel() != 1) {
-    refuse("state must be one CPU int64 element");
+    refuse(kOp, "state must be one CPU int64 element");
   }
   if (into != 0 && into != 1) {
-    refuse("into must be 0 or 1, got ", into);
+    refuse(kOp, "into must be 0 or 1, got ", into);
   }
   if (*state.const_data_ptr<int64_t>() == into) {
     return;  // done already: a retry after an interrupt

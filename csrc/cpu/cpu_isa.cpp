@@ -2,9 +2,9 @@
 #include "cpu_isa.h"
 
 #include <atomic>
-#include <stdexcept>
 
 #include "../join.h"
+#include "../refuse.h"
 
 namespace fused_ema::cpu {
 namespace {
@@ -88,8 +88,8 @@ std::string active_isa() { return kIsas[choice().load()].name; }
 void set_active_isa(const std::string& isa) {
   const int k = find(isa);
   if (k < 0 || !available(k)) {
-    throw std::invalid_argument("fused_ema: CPU instruction set '" + isa +
-                                "' is not available here; available: " + join(available_isas()));
+    refuse("fused_ema: CPU instruction set '", isa,
+           "' is not available here; available: ", join(available_isas()));
   }
   choice().store(k);
 }

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../stochastic_round.h"
+
 namespace fused_ema::cpu {
 inline namespace CPU_CAPABILITY {
 
@@ -21,7 +23,7 @@ template <typename E, typename T>
 inline E narrow(T v) {
   if constexpr (std::is_same_v<E, c10::Half>) {
     if (std::isnan(v)) {
-      return E(std::signbit(v) ? 0xFE00 : 0x7E00, E::from_bits());
+      return E((std::signbit(v) ? 0x8000 : 0) | sr::kF16QuietNaN, E::from_bits());
     }
   }
   return static_cast<E>(v);
@@ -116,13 +118,13 @@ inline void store_bits(void* p, Lanes a, Lanes b) { store_bits(p, (VecU)a, (VecU
 // NaN checked once per vector (it is rare), so that 16-bit results hold NaN as c10's scalar
 // conversions write it, not as the hardware would (which keeps the top of a NaN's payload).
 inline bool no_nan(VecF a) { return __builtin_expect(!any_nan(a), 1); }
-inline Lanes nan_lanes(Lanes bits) { return (Lanes)((bits & 0x7FFFFFFFu) > 0x7F800000u); }
+inline Lanes nan_lanes(Lanes bits) { return (Lanes)((bits & sr::kF32AbsMask) > sr::kF32Inf); }
 
 // c10::BFloat16's round to nearest even, lane by lane (NaN: 0x7FC0, sign dropped).
 inline Lanes round_bf16_nearest(VecF a) {
   const Lanes bits = (Lanes)a;
   const Lanes rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return no_nan(a) ? rounded : nan_lanes(bits) ? splat_lanes(0x7FC0u) : rounded;
+  return no_nan(a) ? rounded : nan_lanes(bits) ? splat_lanes(sr::kBF16NaN) : rounded;
 }
 
 // c10::Half's round to nearest even (NaN: sign | 0x7E00).
@@ -131,7 +133,7 @@ inline HalfVec float_to_half_c10(VecF a) {
     return float_to_half(a);
   }
   const Lanes bits = (Lanes)a;
-  return float_to_half((VecF)(nan_lanes(bits) ? (bits & 0x80000000u) | 0x7FC00000u : bits));
+  return float_to_half((VecF)(nan_lanes(bits) ? (bits & sr::kF32SignMask) | 0x7FC00000u : bits));
 }
 
 // Two vectors' worth of elements, converted from/to 16-bit floats on the way: float and double
@@ -155,15 +157,6 @@ inline void store2(T* p, const V& a, const V& b) {
   std::memcpy(p, &a, sizeof(V));
   std::memcpy(p + sizeof(V) / sizeof(T), &b, sizeof(V));
 }
-inline void store2(c10::BFloat16* p, const VecF& a, const VecF& b) {
-  store_bits(p, round_bf16_nearest(a), round_bf16_nearest(b));
-}
-inline void store2(c10::Half* p, const VecF& a, const VecF& b) {
-  const HalfVec lo = float_to_half_c10(a);
-  const HalfVec hi = float_to_half_c10(b);
-  std::memcpy(p, &lo, sizeof(lo));
-  std::memcpy(p + kLanes, &hi, sizeof(hi));
-}
 
 // store2, then a and b become the values stored, read back (16-bit EMAs round).
 template <typename T, typename V>
@@ -185,6 +178,10 @@ inline void store2_rounded(c10::Half* p, VecF& a, VecF& b) {
   a = half_to_float(lo);
   b = half_to_float(hi);
 }
+
+// The 16-bit stores are store2_rounded's, the values read back unused (so not computed).
+inline void store2(c10::BFloat16* p, VecF a, VecF b) { store2_rounded(p, a, b); }
+inline void store2(c10::Half* p, VecF a, VecF b) { store2_rounded(p, a, b); }
 
 }  // namespace CPU_CAPABILITY
 }  // namespace fused_ema::cpu

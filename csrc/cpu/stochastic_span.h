@@ -94,7 +94,7 @@ inline Lanes pair_inputs(uint32_t lo, uint64_t k) {
 
 // sr::round_bf16, lane by lane.
 inline Lanes round_bf16_vec(Lanes bits, Lanes word) {
-  return (bits & sr::kF32AbsMask) > sr::kF32Inf ? splat_lanes(sr::kBF16NaN) : (bits + word) >> 16;
+  return nan_lanes(bits) ? splat_lanes(sr::kBF16NaN) : (bits + word) >> 16;
 }
 
 // sr::round_f16, lane by lane, in integer arithmetic, `nudge` each element's 0x1FFF - word / 8

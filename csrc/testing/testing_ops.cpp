@@ -11,9 +11,9 @@
 
 #include <cstdint>
 #include <cstring>
-#include <stdexcept>
 #include <string>
 
+#include "../refuse.h"
 #include "../stochastic_round.h"
 
 #ifndef FUSED_EMA_WITH_CUDA
@@ -32,17 +32,13 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-void require(bool ok, const std::string& message) {
-  if (!ok) {
-    throw std::invalid_argument(message);
-  }
-}
-
 // sr_words(seed, step, key, offset, n) -> int32 tensor: the 16 random bits of elements offset ..
 // offset + n - 1 of tensor `key` at (seed, step). seed, step and offset are taken modulo 2**64
 // (two's complement), key modulo 2**32.
 Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t n) {
-  require(n >= 0, "n must be >= 0, got " + std::to_string(n));
+  if (n < 0) {
+    refuse("n must be >= 0, got ", n);
+  }
   const int64_t size[] = {n};
   Tensor out = torch::stable::empty(size, ScalarType::Int);
   int32_t* words = out.mutable_data_ptr<int32_t>();
@@ -59,11 +55,14 @@ Tensor sr_words(int64_t seed, int64_t step, int64_t key, int64_t offset, int64_t
 // taken modulo 2**64 (two's complement), key modulo 2**32.
 Tensor stochastic_round(Tensor values_in, std::string dtype, int64_t seed, int64_t step,
                         int64_t key, int64_t offset) {
-  require(values_in.scalar_type() == ScalarType::Float && values_in.is_cpu(),
-          "values must be a float32 CPU tensor");
+  if (values_in.scalar_type() != ScalarType::Float || !values_in.is_cpu()) {
+    refuse("values must be a float32 CPU tensor");
+  }
   const Tensor values = torch::stable::contiguous(values_in);
   const bool bf16 = dtype == "bfloat16";
-  require(bf16 || dtype == "float16", "dtype must be 'bfloat16' or 'float16', got " + dtype);
+  if (!bf16 && dtype != "float16") {
+    refuse("dtype must be 'bfloat16' or 'float16', got ", dtype);
+  }
   Tensor out = torch::stable::new_empty(values, values.sizes(),
                                         bf16 ? ScalarType::BFloat16 : ScalarType::Half);
   const float* in = values.const_data_ptr<float>();
