@@ -221,8 +221,14 @@ def main(argv=None) -> dict:
     # many short rounds: contenders alternate finely, so drift in the machine's load spreads evenly
     args.rounds = args.rounds or (18 if args.full else 9)
     args.reps = args.reps or (2 if args.full else 1)
-    chosen = [s for s in SCENARIOS if s.name in args.scenarios.split(",")]
+    wanted = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(wanted) - set(names))
+    if unknown or not wanted:
+        parser.error(f"unknown --scenarios {unknown}; choose from {', '.join(names)}")
+    chosen = [s for s in SCENARIOS if s.name in wanted]
     devices = [d for d in args.devices.split(",") if d]
+    if not devices or set(devices) - {"cpu", "cuda"}:
+        parser.error(f"--devices {args.devices!r}: give cpu and/or cuda")
     if "cuda" in devices and not torch.cuda.is_available():
         parser.error("--devices cuda, but no GPU is visible")
 
@@ -240,6 +246,10 @@ def main(argv=None) -> dict:
         for sc in chosen
         if not (sc.gpu_only and d == "cpu") and not (sc.ema_device == "cpu" and d == "cpu")
     ]
+    if not jobs:
+        parser.error(
+            f"none of {', '.join(wanted)} runs on {', '.join(devices)} (GPU-only scenarios)"
+        )
     with tqdm(total=len(jobs) * args.rounds, desc="benchmark", unit="round", leave=False) as bar:
         for sc, device in jobs:
             bar.set_postfix_str(f"{sc.name} on {device}")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ._state.ema_state import commit_loads
-from .checkpoint import is_value, read_source
+from .checkpoint import LoadResult, is_value, read_source
 from .ema import ModelEma
 from .errors import CheckpointError
 
@@ -97,7 +97,8 @@ class TrackSet(nn.Module):
 
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
         """Restores every track and the header from state_dict()'s dict (or a file), all or
-        nothing: each track's checkpoint is checked and converted before any is written."""
+        nothing: each track's checkpoint is checked and converted before any is written. With
+        strict=False, the keys every track left unmatched, each under its track's name."""
         kind = type(self).__name__
         self._ready("load_state_dict")
         state, source = read_source(state, f"{kind} checkpoint")
@@ -127,7 +128,15 @@ class TrackSet(nn.Module):
         problems = self._commit(prepared, state, [], state.get("step"))
         if problems:
             raise CheckpointError(problems, source)
-        return prepared[0][0].result
+        # strict=False: what each track left unmatched, under its name ("theta0.0.weight").
+        results = [(name, load.result) for name, (load, _) in zip(self._track_names, prepared)]
+        return LoadResult(
+            results[0][1].format,
+            *(
+                [f"{name}.{key}" for name, result in results for key in result[field]]
+                for field in (1, 2, 3)  # missing, unexpected, mismatched keys
+            ),
+        )
 
     def _ready(self, what: str) -> None:
         for track in self._tracks:

@@ -19,7 +19,7 @@ import torch
 from ._dist import zero3
 from ._dist.dtensor import is_dtensor, local
 from ._model.name_filters import check_name_patterns
-from ._model.walk import strip_checkpoint_prefixes
+from ._model.walk import clean_name, strip_checkpoint_prefixes
 from ._update.schedule import options_from_state, whole_number
 from .errors import CheckpointError
 
@@ -60,12 +60,29 @@ def _as_step(value, key: str, problems: list[str]) -> int | None:
         return None
 
 
-def _by_name(state: Mapping, drop_prefix: str = "") -> dict[str, object]:
-    items = {k[len(drop_prefix) :]: v for k, v in state.items() if _starts(k, drop_prefix)}
+def _by_name(state: Mapping, drop_prefix: str = "", known=None) -> dict[str, object]:
+    """A model state dict's tensors by name, without a prefix every key carries (module.,
+    _orig_mod.) unless the names as written match more of the EMA's `known` names (a model
+    whose one child is called `module`), and without torch's `_extra_state` entries (a
+    module's own state, not a tensor an EMA averages)."""
+    items = {
+        k[len(drop_prefix) :]: v
+        for k, v in state.items()
+        if _starts(k, drop_prefix) and not _is_extra_state(k)
+    }
     names = strip_checkpoint_prefixes(items)
+    if known is not None:
+        written = {k: clean_name(k) for k in items}
+        if sum(n in known for n in written.values()) > sum(n in known for n in names.values()):
+            names = written
     # A key that is no name (an int...) stays as it is, to be reported as not in the EMA.
     others = {} if drop_prefix else {k: v for k, v in state.items() if not isinstance(k, str)}
     return {names[k]: v for k, v in items.items()} | others
+
+
+def _is_extra_state(key) -> bool:
+    """A module's get_extra_state() entry of a model state dict."""
+    return isinstance(key, str) and key.rpartition(".")[2] == "_extra_state"
 
 
 def _starts(key, prefix: str) -> bool:
@@ -81,8 +98,10 @@ def is_value(value, expected) -> bool:
         return False
 
 
-def parse_checkpoint(state) -> ParsedCheckpoint:
-    """Recognises the format of `state` and extracts weights, step and schedule from it."""
+def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
+    """Recognises the format of `state` and extracts weights, step and schedule from it; `known`,
+    the EMA's names, when given, decides between a model state dict's names with and without a
+    prefix that every key carries."""
     if not isinstance(state, Mapping):
         return ParsedCheckpoint(
             "unknown", problems=[f"expected a dict (a state_dict), got {type(state).__name__}"]
@@ -111,17 +130,17 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
     if isinstance(state.get(PRETRAINED), Mapping):  # read_source's reading of a folder
         folder = state[PRETRAINED]
         step = folder.get("config", {}).get("optimization_step")
-        weights = _by_name(folder["weights"])
+        weights = _by_name(folder["weights"], known=known)
         return parsed("diffusers save_pretrained", weights, step, "optimization_step")
     if isinstance(state.get("averaging_state"), Mapping) and isinstance(
         state.get("state_dict"), Mapping
     ):
         n = state["averaging_state"].get("n_averaged")
-        weights = _by_name(state["state_dict"])
+        weights = _by_name(state["state_dict"], known=known)
         return parsed("Lightning WeightAveraging", weights, n, "averaging_state.n_averaged")
     for key in ("state_dict_ema", "model_ema"):
         if isinstance(state.get(key), Mapping):
-            return parsed("timm checkpoint", _by_name(state[key]))
+            return parsed("timm checkpoint", _by_name(state[key], known=known))
     if "shadow_params" in keys:
         shadow = state["shadow_params"]
         if not isinstance(shadow, (list, tuple)):
@@ -134,12 +153,17 @@ def parse_checkpoint(state) -> ParsedCheckpoint:
         return parsed(kind, None, state.get(key), key, positional=positional)
     if "n_averaged" in keys and any(_starts(k, "module.") for k in keys):
         return parsed(
-            "AveragedModel", _by_name(state, "module."), state["n_averaged"], "n_averaged"
+            "AveragedModel", _by_name(state, "module.", known), state["n_averaged"], "n_averaged"
         )
     if {"initted", "step"} <= keys and any(_starts(k, "ema_model.") for k in keys):
-        return parsed("ema-pytorch", _by_name(state, "ema_model."), state["step"], "step")
-    if keys and all(isinstance(v, torch.Tensor) for v in state.values()):
-        return parsed("state dict", _by_name(state))
+        return parsed("ema-pytorch", _by_name(state, "ema_model.", known), state["step"], "step")
+    # A model state dict: tensors by name, torch's `_extra_state` aside (an entry that is no
+    # tensor is reported by its name; a nested dict is some other format's).
+    entries = [v for k, v in state.items() if not _is_extra_state(k)]
+    if any(isinstance(v, torch.Tensor) for v in entries) and not any(
+        isinstance(v, Mapping) for v in entries
+    ):
+        return parsed("state dict", _by_name(state, known=known))
     sample = ", ".join(sorted(map(str, keys))[:8]) or "no keys"
     problems.append(
         f"not an EMA checkpoint fused_ema knows (found {sample}); expected fused_ema's "
@@ -333,7 +357,7 @@ def prepare_load(
     copy that starts an average: the next update averages, as the peer would have.
     `param_names`: the bound model's parameters in order, those ignore_names leaves out included
     (what torch_ema and diffusers hold in order), when it is known."""
-    parsed = parse_checkpoint(state)
+    parsed = parse_checkpoint(state, table.by_name)
     fatal = list(parsed.problems)  # nothing can be loaded while any of these stands
     weights = parsed.weights or {}
     if parsed.positional is not None:  # the model's parameters, in order

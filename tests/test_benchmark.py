@@ -76,6 +76,23 @@ def test_gpu_scenarios_are_defined_and_refused_without_a_gpu():
             raise AssertionError("--devices cuda ran without a GPU")
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--scenarios", "many-small"], "unknown --scenarios ['many-small']"),
+        (["--scenarios", ","], "unknown --scenarios []"),
+        (["--devices", "tpu"], "--devices 'tpu'"),
+        (["--scenarios", "cpu_ema_of_cuda_model", "--devices", "cpu"], "GPU-only"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_any_run(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_training_loop_benchmark_runs(tmp_path):
     from benchmarks import training_loop
 

@@ -5,6 +5,7 @@ error lists every problem."""
 
 import pytest
 import torch
+from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import fused_ema
@@ -285,6 +286,85 @@ def test_prefixed_model_state_dicts(prefix):
     result = target.load_state_dict({prefix + k: v for k, v in expected.items()})
     assert result.format == "state dict"
     assert_weights_equal(target, expected)
+
+
+def test_a_model_whose_child_is_called_module_loads_its_own_state_dict():
+    """`module.` is stripped only where the names as written match fewer of the EMA's names."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = small_mlp()
+
+    torch.manual_seed(7)
+    model = Wrapper()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update(model, step=1)
+    expected = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    assert all(k.startswith("module.") for k in expected)
+    for checkpoint in (expected, {"state_dict_ema": expected}):
+        target = fused_ema.ModelEma(Wrapper())
+        assert target.load_state_dict(checkpoint).missing_keys == []
+        assert_weights_equal(target, expected)
+
+
+class _WithExtraState(nn.Linear):
+    def get_extra_state(self):
+        return {"calls": 3}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_extra_state_is_skipped_and_a_non_tensor_entry_is_named():
+    torch.manual_seed(8)
+    model = nn.Sequential(_WithExtraState(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    state = {
+        k: v.detach() + torch.randn_like(v)
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    } | {"0._extra_state": {"calls": 3}}
+    expected = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    for checkpoint in (state, {"state_dict_ema": state}):
+        ema = fused_ema.ModelEma(model)
+        assert ema.load_state_dict(checkpoint).format in ("state dict", "timm checkpoint")
+        assert_weights_equal(ema, expected)
+    ema = fused_ema.ModelEma(model)
+    rejected(ema, state | {"0.bias": None}, "0.bias: expected a tensor, got NoneType")
+    with pytest.raises(fused_ema.CheckpointError) as err:
+        ema.load_state_dict(state | {"0.bias": None})
+    assert "missing" not in str(err.value) and "not an EMA checkpoint" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["PostHocEma", "Bema"])
+def test_strict_false_reports_every_tracks_unmatched_keys(kind):
+    torch.manual_seed(9)
+    model = small_mlp()
+    make = {
+        "PostHocEma": lambda: fused_ema.PostHocEma(
+            model, sigma_rels=(0.05, 0.1), snapshot_dir=None
+        ),
+        "Bema": lambda: fused_ema.Bema(model, update_freq=2),
+    }[kind]
+    source = make()
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        source.update(model, step=step)
+    state = source.state_dict()
+    name = next(iter(state["emas"][1]["weights"]))
+    state["emas"][1]["weights"][name] = torch.randn(2, 2)
+    target = make()
+    before = target._tracks[1].state_dict()["weights"][name].clone()
+    result = target.load_state_dict(state, strict=False)
+    assert result.mismatched_keys == [f"{target._track_names[1]}.{name}"]
+    assert torch.equal(target._tracks[1].state_dict()["weights"][name], before)
+    for k in (0, 2) if kind == "Bema" else (0,):
+        assert_weights_equal(target._tracks[k], state["emas"][k]["weights"])
 
 
 def test_averaged_model_file(tmp_path):
