@@ -28,19 +28,18 @@ constexpr int64_t kMaxKey = UINT32_MAX;
 
 constexpr const char* kBemaWeights[] = {"beta", "w0", "alpha"};
 
-// Per kind: the op that starts its messages, the one of its rounding and device checks (only
-// lerp_stochastic_'s differ), and the profiler's name of a run.
+// Per kind: the Python function that starts its messages (lerp_many_ takes both of its ops), and
+// the profiler's name of a run.
 struct KindText {
   const char* op;
-  const char* device_op;
   const char* record;
 };
 constexpr KindText kTexts[] = {
-    {"fused_ema.lerp_: ", "fused_ema.lerp_: ", "fused_ema::lerp_"},
-    {"fused_ema.lerp_: ", "fused_ema.lerp_stochastic_: ", "fused_ema::lerp_stochastic_"},
-    {"fused_ema.lerp_many_: ", "fused_ema.lerp_many_: ", "fused_ema::lerp_many_"},
-    {"fused_ema.lerp_many_: ", "fused_ema.lerp_many_: ", "fused_ema::lerp_many_stochastic_"},
-    {"fused_ema.bema_: ", "fused_ema.bema_: ", "fused_ema::bema_"},
+    {"fused_ema.lerp_: ", "fused_ema::lerp_"},
+    {"fused_ema.lerp_stochastic_: ", "fused_ema::lerp_stochastic_"},
+    {"fused_ema.lerp_many_: ", "fused_ema::lerp_many_"},
+    {"fused_ema.lerp_many_: ", "fused_ema::lerp_many_stochastic_"},
+    {"fused_ema.bema_: ", "fused_ema::bema_"},
 };
 
 // A profiler range while this lives (a prepared update's runs skip the dispatcher, which would
@@ -103,10 +102,9 @@ FusedWeights host_weights(FusedKind kind, std::vector<double> values) {
 void check_on_device(const at::Tensor* t, const char* name, const char* as, FusedKind kind,
                      c10::Device device) {
   const bool one = one_list(kind);
-  TORCH_CHECK(t == nullptr || t->is_cpu() || t->device() == device, text(kind).device_op, name,
-              " is on ", t->device(), " but ", one ? "ema" : "EMA", " tensors are on ", device,
-              "; pass the ", name, " on the ", one ? "EMA's" : "EMAs'",
-              " device, on the CPU, or as ", as);
+  TORCH_CHECK(t == nullptr || t->is_cpu() || t->device() == device, text(kind).op, name, " is on ",
+              t->device(), " but ", one ? "ema" : "EMA", " tensors are on ", device, "; pass the ",
+              name, " on the ", one ? "EMA's" : "EMAs'", " device, on the CPU, or as ", as);
 }
 
 // The weights' and step's device against the EMA tensors' `device`.
@@ -126,7 +124,7 @@ PairNames pair_names(const FusedCall& call, size_t tensors) {
 // Seeds, keys and offsets against the lists; each tensor's offset leaves room for its elements.
 void check_rounding(const FusedCall& call, TensorRefs emas, TensorRefs src) {
   const FusedRounding& r = call.rounding;
-  const char* op = text(call.kind).device_op;
+  const char* op = text(call.kind).op;
   const bool one = one_list(call.kind);
   const size_t tensors = src.size();
   const size_t tracks = call.weights.tracks;
@@ -297,7 +295,7 @@ FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weig
                           c10::HeaderOnlyArrayRef<int64_t> keys,
                           c10::HeaderOnlyArrayRef<int64_t> offsets, bool read) {
   FusedCall call{kind, tensors, checked_weights(kind, weights, read)};
-  const char* op = text(kind).device_op;
+  const char* op = text(kind).op;
   TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
   TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
                     "step must be one int64 element (a 0-dim tensor), got ",
@@ -314,8 +312,8 @@ std::vector<DevicePlan> plan_fused_call(const FusedCall& call, TensorRefs emas, 
   // of a tensor must list its elements in one order (bema_). Each finished plan needs a kernel for
   // its device, and the weights and step on that device or the CPU.
   const auto check_device = [&](const DevicePlan& plan) {
-    TORCH_CHECK(runners()[static_cast<size_t>(plan.device.type())] != nullptr,
-                text(call.kind).device_op, "no kernel for tensors on ", plan.device,
+    TORCH_CHECK(runners()[static_cast<size_t>(plan.device.type())] != nullptr, text(call.kind).op,
+                "no kernel for tensors on ", plan.device,
                 " in this build of fused_ema (kernels for: ", join(devices_with_kernels()), ")");
     check_weights_device(call, plan.device);
   };

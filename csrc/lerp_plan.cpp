@@ -132,7 +132,8 @@ void check_overlap(std::vector<Interval>& emas, std::vector<Interval>& srcs,
     const Interval& b = emas[k];
     TORCH_CHECK(b.lo >= a.hi, names.op, ema_name(names, std::min(a.index, b.index)), " and ",
                 ema_name(names, std::max(a.index, b.index)),
-                " share memory; every EMA tensor must own its memory");
+                " share memory (their address ranges overlap); every EMA tensor must own its "
+                "memory");
   }
   size_t k = 0;
   for (const Interval& s : srcs) {

@@ -87,8 +87,6 @@ def lerp_stochastic_(
     step = _stochastic_step(step, _SR_OP)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{_SR_OP}seed must be an int, got {_type(seed)}")
-    # Lists go to the op as they are (its schema checks every item in C++): a ModelEma update
-    # passes the same lists each step, with no Python loop over them.
     keys = list(range(len(ema))) if keys is None else _int_list(keys, _SR_OP, "keys")
     offsets = [0] * len(ema) if offsets is None else _int_list(offsets, _SR_OP, "offsets")
     (ema,), src, offsets = _local([ema], src, offsets)
@@ -258,19 +256,24 @@ def _float(value: float | int, op: str, name: str) -> float:
 
 
 def _int_list(values, op: str, name: str) -> list:
-    """Keys or offsets as a list of ints: a list as it is (the op's schema checks its items in
-    C++), any other iterable item by item, refusing what is not an integer (int() would truncate
-    1.5 and parse "3")."""
-    if isinstance(values, list):
-        return values
+    """Keys or offsets as a list of int64s, refusing by index what is not one: a bool, a float
+    or a str (int() would truncate 1.5 and parse "3"), an int beyond 64 bits. A list of ints is
+    checked by C loops (map, min, max) and passed as it is: a 20,000-tensor call costs no Python
+    loop."""
     if isinstance(values, str) or not hasattr(values, "__iter__"):
         raise TypeError(f"{op}{name} must be a sequence of ints, got {_type(values)}")
+    values = values if isinstance(values, list) else list(values)
+    if set(map(type, values)) <= {int} and (
+        not values or (min(values) >= _INT64_MIN and max(values) < -_INT64_MIN)
+    ):
+        return values
     ints = []
     for i, v in enumerate(values):
-        try:
-            ints.append(operator.index(v))
-        except TypeError:
-            raise TypeError(f"{op}{name}[{i}] must be an int, got {_type(v)}") from None
+        if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+            raise TypeError(f"{op}{name}[{i}] must be an int, got {_type(v)}")
+        ints.append(operator.index(v))
+        if not _INT64_MIN <= ints[-1] < -_INT64_MIN:
+            raise ValueError(f"{op}{name}[{i}] is {ints[-1]}; it must fit an int64")
     return ints
 
 

@@ -108,6 +108,17 @@ def test_overlapping_ema_tensors(lerp, device):
     assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"ema\[1\] and ema\[2\] share memory")
 
 
+def test_interleaved_ema_views_are_refused_as_overlapping_ranges(lerp, device):
+    """t[0::2] and t[1::2] hold no element in common, but their address ranges overlap: the check
+    compares ranges (docs/ops.md), and says so."""
+    base = torch.randn(1000, device=device)
+    ema = [base[0::2], base[1::2]]
+    src = [torch.randn(500, device=device), torch.randn(500, device=device)]
+    assert_rejected(
+        lerp, ema, src, 0.5, RuntimeError, r"ema\[0\] and ema\[1\] share memory \(their address"
+    )
+
+
 def test_same_ema_tensor_twice(lerp, device):
     ema, src = good_lists(device)
     ema[3] = ema[0]

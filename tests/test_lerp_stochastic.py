@@ -296,6 +296,14 @@ def test_unbiased_where_round_to_nearest_stalls(dtype):
         ({"keys": ("0", 1)}, TypeError, r"keys\[0\] must be an int, got str"),
         ({"offsets": (0, 2.0)}, TypeError, r"offsets\[1\] must be an int, got float"),
         ({"offsets": 7}, TypeError, r"offsets must be a sequence of ints, got int"),
+        # Lists too, checked without a Python loop unless an item is wrong.
+        ({"keys": [0, True]}, TypeError, r"stochastic_: keys\[1\] must be an int, got bool"),
+        ({"keys": [0, 1.0]}, TypeError, r"keys\[1\] must be an int, got float"),
+        ({"offsets": [2**63, 0]}, ValueError, r"offsets\[0\] is 9223372036854775808; it must fit"),
+        ({"offsets": [0, -(2**63) - 1]}, ValueError, r"offsets\[1\] is -9223372036854775809"),
+        # Every message names the function called, lerp_stochastic_.
+        ({"weight": float("inf")}, ValueError, r"^fused_ema\.lerp_stochastic_: weight must be"),
+        ({"src1": torch.zeros(4, dtype=torch.bfloat16)}, ValueError, r"^fused_ema\.lerp_stoch"),
         ({"weight": 2**1100}, ValueError, r"stochastic_: weight must fit a float32"),
     ],
 )
