@@ -38,6 +38,7 @@ CPU_SOURCES = [
     "csrc/fused_ema.cpp",
     "csrc/fused_op.cpp",
     "csrc/fused_op_kernels.cpp",
+    "csrc/finish_all.cpp",
     "csrc/grad_mode.cpp",
     "csrc/lerp_plan.cpp",
     "csrc/prepared_handles.cpp",

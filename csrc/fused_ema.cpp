@@ -39,6 +39,8 @@ PyObject* python_prepared_free(PyObject* module, PyObject* handle);
 PyObject* python_prepared_runs(PyObject* module, PyObject* handle);
 // grad_mode.cpp
 PyObject* python_without_grad(PyObject* module, PyObject* const* args, Py_ssize_t nargs);
+// finish_all.cpp
+PyObject* python_finish_all(PyObject* module, PyObject* steps);
 }  // namespace fused_ema
 
 namespace {
@@ -178,6 +180,9 @@ PyMethodDef kMethods[] = {
     {"without_grad", reinterpret_cast<PyCFunction>(fused_ema::python_without_grad), METH_FASTCALL,
      "without_grad(fn, *args) -> fn(*args) with autograd off; the caller's grad mode is restored "
      "on every way out (exceptions and interrupts included) with no Python code in between."},
+    {"finish_all", fused_ema::python_finish_all, METH_O,
+     "finish_all(steps): calls each step in order; one interrupted runs again until it ends, one "
+     "that fails once more, then the next runs; raises the first error after the last step."},
     {nullptr, nullptr, 0, nullptr},
 };
 

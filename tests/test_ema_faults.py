@@ -199,11 +199,12 @@ def test_swap_in_failing_part_way_restores_both_sides():
     assert_model_unchanged(model, values)
 
 
-@pytest.mark.parametrize("call", [1, 2])  # the swap-in's exchange, the swap-out's
+# The swap-in's exchange, the swap-out's, and the swap-out's interrupted again and again.
+@pytest.mark.parametrize("call", [(1,), (2,), (2, 3, 4)], ids=["in", "out", "out-thrice"])
 @pytest.mark.parametrize("after", [False, True])
 def test_an_interrupt_next_to_an_exchange_restores_both_sides(monkeypatch, call, after):
     """Each direction of a swap is one call: an interrupt lands before it or after it, and the
-    swap-out (repeated after an interrupt) leaves the model and the EMA as they were."""
+    swap-out (repeated after each interrupt) leaves the model and the EMA as they were."""
     import fused_ema._model.swap as swap_module
 
     model, ema = moved_ema()
@@ -212,10 +213,10 @@ def test_an_interrupt_next_to_an_exchange_restores_both_sides(monkeypatch, call,
 
     def interrupted(*args):
         calls.append(1)
-        if len(calls) == call and not after:
+        if len(calls) in call and not after:
             raise KeyboardInterrupt
         real(*args)
-        if len(calls) == call and after:
+        if len(calls) in call and after:
             raise KeyboardInterrupt
 
     monkeypatch.setattr(swap_module, "_swap_values", interrupted)
@@ -223,7 +224,7 @@ def test_an_interrupt_next_to_an_exchange_restores_both_sides(monkeypatch, call,
         with ema.swapped(model):
             seen.append(model_values(model))
     monkeypatch.setattr(swap_module, "_swap_values", real)
-    assert len(seen) == (call == 2)
+    assert len(seen) == (call != (1,))
     if seen:  # the block ran with the EMA's weights
         for name, value in before[0].items():
             assert torch.equal(seen[0][name], value), name
@@ -807,3 +808,72 @@ def test_an_interrupt_anywhere_in_an_update_that_follows_a_new_structure_is_all_
 
     fired = interrupted_everywhere(lambda: runs[-1][0].update(runs[-1][1]), whole)
     assert len(fired) > 20
+
+
+def _inserted_layer_ema():
+    """An EMA of three layers, then a layer inserted at 1: the BatchNorm's tensors are renamed
+    from 1.* to 2.*, and the new Linear takes 1.* with the same shapes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    ema = fused_ema.ModelEma(model, decay=0.9, on_mismatch="resync")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+        ema.update(model)
+    model.insert(1, nn.Linear(6, 6))
+    return model, ema
+
+
+@ignore_dropped
+def test_an_interrupt_while_following_renamed_tensors_keeps_each_average_on_its_tensor():
+    """A tensor keeps its average under a new name (matched by identity). An update interrupted
+    while following the new structure must leave every entry following its own tensor: it once
+    pointed the old entries at the tensors now holding their names, and the next update averaged
+    the BatchNorm's bias into the new Linear's. The reference is a fresh, uninterrupted build (a
+    deepcopy would match by name, and hide this)."""
+    model, ema = _inserted_layer_ema()
+    before = state_of(ema)[1]
+    ema.update(model)
+    expected = state_of(ema)
+    runs = [_inserted_layer_ema()]
+
+    def whole(interrupted):
+        net, got = runs[-1]
+        if got.step == before:  # not begun: the same update again, uninterrupted
+            got.update(net)
+        assert_same_state(got, expected)
+        runs.append(_inserted_layer_ema())
+
+    update = lambda: runs[-1][1].update(runs[-1][0])  # noqa: E731
+    fired = interrupted_everywhere(update, whole, point=InterruptAtLine)  # every line of fused_ema
+    assert len(fired) > 20
+
+
+def test_finish_all_runs_every_step_to_its_end_and_raises_the_first_error():
+    """swap.finish_all (C, no Python between the steps): an interrupted step runs again until it
+    ends, a failing one once more, then the next; the first error, with its traceback, last."""
+    from fused_ema._model.swap import finish_all
+
+    log, tries = [], {"a": 0}
+
+    def interrupted_twice():
+        tries["a"] += 1
+        log.append("a")
+        if tries["a"] <= 2:
+            raise KeyboardInterrupt
+
+    def failing():
+        log.append("b")
+        raise ValueError("b failed")
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        finish_all([interrupted_twice, failing, lambda: log.append("c")])
+    assert log == ["a", "a", "a", "b", "b", "c"]
+    assert info.value.__traceback__ is not None
+    with pytest.raises(ValueError, match="b failed"):
+        finish_all((failing,))
+    finish_all([])
+    with pytest.raises(TypeError, match="sequence of callables"):
+        finish_all(3)

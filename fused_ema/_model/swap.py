@@ -14,6 +14,7 @@ from .._dist import zero3
 from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut, same_memory, sharding
 from .._dist.shard import gather_chunks, gather_into
 from .._ext.grad import without_grad
+from .._ext.loader import _C
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -153,28 +154,10 @@ def _copy_all(pairs) -> None:
         torch._foreach_copy_([t for t, _ in plain], [v for _, v in plain])
 
 
-def finish_all(steps) -> None:
-    """Runs every step in order even when one raises (an interrupt landing part-way): the others
-    still run, then the first error propagates, so a write is never left half done. A step that
-    raised, or that may have finished just before an interrupt, runs once more: steps must be
-    idempotent (copies, loads of checked values)."""
-    error = None
-    done = 0
-    retried = -1
-    while done < len(steps):
-        try:
-            while done < len(steps):
-                steps[done]()
-                done += 1
-        except BaseException as err:
-            if error is None:
-                error = err
-            if retried == done:
-                done += 1  # it failed twice: the others still run
-            else:
-                retried = done
-    if error is not None:
-        raise error
+# finish_all(steps): every step run in order to its end, in C (csrc/finish_all.cpp) so that no
+# Python code runs between them: one interrupted runs again until it ends, one that fails once
+# more, then the next runs, and the first error is raised after the last. Steps are idempotent.
+finish_all = _C.finish_all
 
 
 def unaliased(pairs) -> list:

@@ -93,17 +93,17 @@ class Binding:
         """Whether the current plan (for `snapshot`) may be used when the model is unchanged."""
         return self.plan is not None and self.plan.snapshot == snapshot
 
-    def plan_for(self, ema, model, walk, names, snapshot, schedule, trusted: bool = False):
-        """The plan for this walk of `model` (from walk()), and how to undo what was needed to
-        make it (None when the current plan fits). `trusted`: the prepared update checks what the
-        tensors hold, so the plan need only hold the same objects."""
+    def plan_for(self, ema, model, walk, names, snapshot, schedule, trusted, undos: list):
+        """The plan for this walk of `model` (from walk()); how to undo what was needed to make
+        it goes into `undos` (nothing when the current plan fits). `trusted`: the prepared update
+        checks what the tensors hold, so the plan need only hold the same objects."""
         plan = self.plan
         if self.vouches(snapshot) and (trusted or plan.same_tensors(walk)):
             if names is None:  # the walk cache vouched for the objects and names
-                return plan, None
+                return plan
             if names == plan.names and _C.walk_matches(walk, plan.refs):  # the same objects
                 plan.remember(model, walk, self.with_buffers)
-                return plan, None
+                return plan
         if names is None:  # a walk cache (the leader's, for a follower) vouched: planned again
             names = _C.tensor_walk(model, self.with_buffers, True)[1]
         tracked = self.tracked(model)
@@ -114,16 +114,16 @@ class Binding:
         # Changed, or partitioned by ZeRO-3 since the EMA was built (each rank keeps its slice).
         if changes or changes.partitioned:
             table = self._followed(tracked)
-        return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot)
+        return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot, undos)
 
     def resync(self, ema, model: nn.Module, schedule) -> None:
         tracked = self.tracked(model)
         self.adopt(ema, model, self._followed(tracked), tracked, schedule)
 
-    def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False):
+    def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False, undos=None):
         """Makes `table` the binding's, placed for `model`, with a plan for `walk`; builds
-        everything first and changes the EMA only once nothing can fail. Returns the plan and a
-        function that puts the previous state back."""
+        everything first and changes the EMA only once nothing can fail. Returns the plan; a
+        function that puts the previous state back goes into `undos` before the switch."""
         current = {n: t.tensor for t in tracked for n in t.names}
         meta = [e.name for e in table.entries if e.ema.is_meta and not current[e.name].is_meta]
         if meta:
@@ -151,6 +151,9 @@ class Binding:
                     continue  # a shard (or ZeRO-3 partition) stays where it was made
                 if e.ema.device != src.device:
                     moves.append((e.ema, e.ema.data, _normal(e.ema.data.to, src.device)))
+        # What the table's entries follow now: rebind() moves them, an undo puts them back (the
+        # old table's entries must keep following the old tensors, or identity matching breaks).
+        bindings = [(e, e.bound) for e in table.entries]
         for tensor, _, moved in moves:
             tensor.data = moved
         try:
@@ -167,17 +170,22 @@ class Binding:
         except BaseException:
             for tensor, before, _ in moves:
                 tensor.data = before
-            self.table.rebind(tracked)
+            for entry, bound in bindings:
+                entry.bound = bound
             raise
-        self.table, self.plan, self.module, self.model_ref = table, plan, module, model_ref
 
         def undo():
             for tensor, before, _ in moves:
                 tensor.data = before
+            for entry, bound in bindings:
+                entry.bound = bound
             self.table, self.plan, self.module, self.model_ref = previous
             schedule.place(previous_place)
 
-        return plan, undo
+        if undos is not None:
+            undos.append(undo)  # before the switch: an interrupt from here on finds it
+        self.table, self.plan, self.module, self.model_ref = table, plan, module, model_ref
+        return plan
 
     def pairs_with(self, model: nn.Module) -> list:
         """(name, EMA tensor, model tensor) for every entry, matched by name and shape."""

@@ -14,7 +14,7 @@ import torch
 from .._dist.dtensor import reshard_fsdp
 from .._ext.grad import without_grad
 from .._ext.loader import _C
-from .._model.swap import Swap, check_writable
+from .._model.swap import Swap, check_writable, finish_all
 from .._model.walk import tensor_walk, walk_agrees
 from . import prepared as prep
 from .nonblocking import AsyncRunner
@@ -146,14 +146,26 @@ class Updater:
         the tensors (raising _Declined, having changed nothing, where one changed)."""
         schedules = self._schedules()
         plan, undos, wrote = None, [], lambda: False
+
+        def settle():
+            if self.runner.busy:
+                self.runner.settle()  # a job this call prepared: finished or dropped
+
+        def roll_back():  # idempotent, as finish_all needs
+            written = wrote() or (plan is not None and plan.started())
+            self._end(commit=written)  # it wrote, so it finished: only the error propagates
+            if not written:
+                for undo in reversed(undos):
+                    undo()  # a resync that the failed update made is undone too
+
         try:
             plans = []
             for track, track_ema in ((self, ema), *((f, f.ema_ref()) for f in self.followers)):
-                own, undo = track.binding.plan_for(
-                    track_ema, model, walk, names, non_blocking, track.schedule, trusted
+                plans.append(
+                    track.binding.plan_for(
+                        track_ema, model, walk, names, non_blocking, track.schedule, trusted, undos
+                    )
                 )
-                undos.append(undo)
-                plans.append(own)
             plan = plans[0].joined(plans[1:], self.joint) if self.followers else plans[0]
             if plan.meta:
                 raise RuntimeError(
@@ -197,14 +209,7 @@ class Updater:
             elif plan.start(walk, weight, self.schedule.step, self.runner):
                 return False
         except BaseException:
-            if self.runner.busy:
-                self.runner.settle()  # a job this call prepared: finished or dropped
-            written = wrote() or (plan is not None and plan.started())
-            self._end(commit=written)  # it wrote, so it finished: only the error propagates
-            if not written:
-                for undo in reversed(undos):
-                    if undo is not None:
-                        undo()  # a resync that the failed update made is undone too
+            finish_all([settle, roll_back])  # both to their end, whatever interrupts them
             raise
         return True
 
@@ -263,25 +268,17 @@ class Updater:
         pairs = self.binding.pairs_with(model)
         check_writable(pairs)
         swap = Swap(pairs)  # prepared: nothing written yet
+
+        def swap_out():  # idempotent: swap_out may run again
+            swap.swap_out()
+            self.swapped = False
+            reshard_fsdp(model)  # FSDP2 keeps parameters it gathered inside the block
+
         try:
             swap.swap_in()  # one call, or a collective then one call (ModelEma(shard=...))
             self.swapped = True
             yield model
         finally:
-            # Finished even if an interrupt lands in it: swap_out may be called again, and the
-            # interrupt propagates once the model and the EMA hold their own values again.
-            interrupt = None
-            while True:
-                try:
-                    swap.swap_out()
-                    self.swapped = False
-                    # FSDP2 keeps parameters it gathered inside the block: they hold the EMA's
-                    # weights.
-                    reshard_fsdp(model)
-                    break
-                except BaseException as err:
-                    if isinstance(err, Exception):
-                        raise  # a failure, not an interrupt: retrying would not help
-                    interrupt = err
-            if interrupt is not None:
-                raise interrupt
+            # To its end whatever interrupts it; an interrupt propagates once the model and the
+            # EMA hold their own values again.
+            finish_all([swap_out])
