@@ -48,7 +48,11 @@ def lerp_(
     else:
         raise TypeError(f"{_LERP_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
     (ema,), src, _ = _local([ema], src)
-    op(ema, src, weight)
+    try:
+        op(ema, src, weight)
+    except RuntimeError:
+        _name_non_tensors(_LERP_OP, ema=ema, src=src)
+        raise
 
 
 _INT64_RANGE = 2**64
@@ -90,9 +94,13 @@ def lerp_stochastic_(
     keys = list(range(len(ema))) if keys is None else _int_list(keys, _SR_OP, "keys")
     offsets = [0] * len(ema) if offsets is None else _int_list(offsets, _SR_OP, "offsets")
     (ema,), src, offsets = _local([ema], src, offsets)
-    torch.ops.fused_ema.lerp_stochastic_(
-        ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
-    )
+    try:
+        torch.ops.fused_ema.lerp_stochastic_(
+            ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
+        )
+    except RuntimeError:
+        _name_non_tensors(_SR_OP, ema=ema, src=src)
+        raise
 
 
 def lerp_many_(
@@ -142,10 +150,16 @@ def lerp_many_(
         offsets = [0] * len(src) if offsets is None else _int_list(offsets, _MANY_OP, "offsets")
     tracks, src, offsets = _local(tracks, src, offsets)
     flat = [t for track in tracks for t in track]
-    if seed is None:
-        torch.ops.fused_ema.lerp_many_(flat, src, weights)
-    else:
-        torch.ops.fused_ema.lerp_many_stochastic_(flat, src, weights, step, seeds, keys, offsets)
+    try:
+        if seed is None:
+            torch.ops.fused_ema.lerp_many_(flat, src, weights)
+        else:
+            torch.ops.fused_ema.lerp_many_stochastic_(
+                flat, src, weights, step, seeds, keys, offsets
+            )
+    except RuntimeError:
+        _name_non_tensors(_MANY_OP, src=src, **{f"emas[{k}]": t for k, t in enumerate(tracks)})
+        raise
 
 
 def _track_seeds(seed, count: int) -> list:
@@ -207,7 +221,11 @@ def bema_(
     src, *lists = _aligned(_BEMA_OP, ("src", src), ("ema", ema), ("theta0", theta0), ("out", out))
     weights = _weights(weights, 3, _BEMA_OP, ("beta", "w0", "alpha"))
     lists, src, _ = _local(lists, src)
-    torch.ops.fused_ema.bema_(*lists, src, weights)
+    try:
+        torch.ops.fused_ema.bema_(*lists, src, weights)
+    except RuntimeError:
+        _name_non_tensors(_BEMA_OP, src=src, **dict(zip(("ema", "theta0", "out"), lists)))
+        raise
 
 
 def _weights(weights, count: int, op: str, names: tuple = ()) -> torch.Tensor:
@@ -300,6 +318,16 @@ def _aligned(op: str, *named: tuple) -> list[list[torch.Tensor]]:
             what = name.removesuffix("_tensors")
             raise ValueError(f"{op}{what} has {len(lists[-1])} tensors but src has {len(lists[0])}")
     return lists
+
+
+def _name_non_tensors(op: str, **lists) -> None:
+    """After an op refused its arguments: a list item that is no tensor (the schema's own error
+    names neither the list nor the index) raises a TypeError naming both. Only on that path, so
+    a call that succeeds pays nothing for it."""
+    for name, tensors in lists.items():
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}{name}[{i}] must be a tensor, got {_type(t)}") from None
 
 
 def _local(lists: list, src: list, offsets: list | None = None) -> tuple:

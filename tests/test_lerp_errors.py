@@ -434,3 +434,30 @@ def test_fake_kernels_refuse_as_the_op_does(case):
             op(*fake)
     assert type(traced.value) is type(eager.value)
     assert str(traced.value).splitlines()[0] == str(eager.value).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda e, s: fused_ema.lerp_([e, None], [s, s], 0.1), r"lerp_: ema\[1\] must be a tensor"),
+        (
+            lambda e, s: fused_ema.lerp_stochastic_([e.bfloat16()], [3], 0.1, seed=1, step=1),
+            r"lerp_stochastic_: src\[0\] must be a tensor, got int",
+        ),
+        (
+            lambda e, s: fused_ema.lerp_many_([[e], ["x"]], [s], [0.1, 0.2]),
+            r"lerp_many_: emas\[1\]\[0\] must be a tensor, got str",
+        ),
+        (
+            lambda e, s: fused_ema.bema_([e], [e.clone()], [None], [s], [0.1, 0.1, 0.1]),
+            r"bema_: out\[0\] must be a tensor, got NoneType",
+        ),
+    ],
+)
+def test_a_list_item_that_is_no_tensor_is_named(call, message):
+    """The schema's own error names neither the list nor the index; the Python API does."""
+    ema, src = torch.randn(7), torch.randn(7)
+    before = ema.clone()
+    with pytest.raises(TypeError, match=message):
+        call(ema, src)
+    assert torch.equal(ema, before) and ema._version == 0
