@@ -765,3 +765,32 @@ def test_the_ema_module_round_trips(how):
     assert torch.equal(loaded(x), ema(x))
     ema.update(trained(model, 1, seed=3))  # the copy is independent of the EMA
     assert not torch.equal(loaded.embed.weight, weights(ema)["embed.weight"])
+
+
+def test_a_stepless_update_differs_from_v3_as_migrating_md_says():
+    """docs/migrating.md: V3's update(model) without a step applies the plain decay from the
+    weights it was built with; ModelEma counts its own steps (its first update copies). With
+    step= the two agree bit for bit."""
+    timm = timm_model_ema()
+    torch.manual_seed(4)
+    model = small_mlp()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    theirs = timm.ModelEmaV3(model, decay=0.9)
+    ours = fused_ema.ModelEma(model, decay=0.9)
+    trained(model, 1, seed=5)
+    theirs.update(model)
+    ours.update(model)
+    now = model.state_dict()
+    for name, value in theirs.module.state_dict().items():
+        if value.is_floating_point():
+            expected = torch.lerp(start[name], now[name], 0.1)
+            assert torch.allclose(value, expected, atol=1e-6), name
+            assert torch.equal(ours.module.state_dict()[name], now[name]), name  # a copy
+    stepped = timm.ModelEmaV3(model, decay=0.9)
+    counted = fused_ema.ModelEma(model, decay=0.9)
+    for step in range(1, 4):
+        trained(model, 1, seed=5 + step)
+        stepped.update(model, step=step)
+        counted.update(model, step=step)
+    for name, value in stepped.module.state_dict().items():
+        assert torch.equal(counted.module.state_dict()[name], value), name
