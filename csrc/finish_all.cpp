@@ -34,9 +34,13 @@ void raise_error(PyObject* error) {
 
 }  // namespace
 
-// A step interrupted (KeyboardInterrupt, SystemExit: not an Exception) runs again until it ends;
-// one that fails runs once more, then the next one runs. Steps must be idempotent. The first
-// error is raised once every step has run.
+// Runs of a step that an interrupt stops before the next step runs: a signal lands in a step
+// once (more if pressed again), while one the step raises itself every time must not loop forever.
+constexpr int kMaxInterrupted = 16;
+
+// A step interrupted (KeyboardInterrupt, SystemExit: not an Exception) runs again, up to
+// kMaxInterrupted times; one that fails runs once more; then the next one runs. Steps must be
+// idempotent. The first error is raised once every step has run.
 PyObject* python_finish_all(PyObject* /*module*/, PyObject* steps) {
   PyObject* seq = PySequence_Fast(steps, "finish_all(steps) takes a sequence of callables");
   if (seq == nullptr) {
@@ -44,13 +48,13 @@ PyObject* python_finish_all(PyObject* /*module*/, PyObject* steps) {
   }
   PyObject* first = nullptr;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    for (int failures = 0; failures < 2;) {
+    for (int failures = 0, interrupts = 0; failures < 2 && interrupts < kMaxInterrupted;) {
       PyObject* result = PyObject_CallNoArgs(PySequence_Fast_GET_ITEM(seq, i));
       if (result != nullptr) {
         Py_DECREF(result);
         break;
       }
-      failures += PyErr_ExceptionMatches(PyExc_Exception) ? 1 : 0;
+      ++(PyErr_ExceptionMatches(PyExc_Exception) ? failures : interrupts);
       PyObject* error = take_error();
       if (first == nullptr) {
         first = error;

@@ -181,8 +181,8 @@ PyMethodDef kMethods[] = {
      "without_grad(fn, *args) -> fn(*args) with autograd off; the caller's grad mode is restored "
      "on every way out (exceptions and interrupts included) with no Python code in between."},
     {"finish_all", fused_ema::python_finish_all, METH_O,
-     "finish_all(steps): calls each step in order; one interrupted runs again until it ends, one "
-     "that fails once more, then the next runs; raises the first error after the last step."},
+     "finish_all(steps): calls each step in order; one interrupted runs again (up to 16 times), "
+     "one that fails once more, then the next runs; raises the first error after the last step."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -852,8 +852,8 @@ def test_an_interrupt_while_following_renamed_tensors_keeps_each_average_on_its_
 
 
 def test_finish_all_runs_every_step_to_its_end_and_raises_the_first_error():
-    """swap.finish_all (C, no Python between the steps): an interrupted step runs again until it
-    ends, a failing one once more, then the next; the first error, with its traceback, last."""
+    """swap.finish_all (C, no Python between the steps): an interrupted step runs again (up to 16
+    times), a failing one once more, then the next; the first error, with its traceback, last."""
     from fused_ema._model.swap import finish_all
 
     log, tries = [], {"a": 0}
@@ -874,6 +874,15 @@ def test_finish_all_runs_every_step_to_its_end_and_raises_the_first_error():
     assert info.value.__traceback__ is not None
     with pytest.raises(ValueError, match="b failed"):
         finish_all((failing,))
+    runs = []
+
+    def always_interrupted():  # (an interrupt the step raises itself must not loop forever)
+        runs.append(1)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        finish_all([always_interrupted, lambda: log.append("after")])
+    assert len(runs) == 16 and log[-1] == "after"
     finish_all([])
     with pytest.raises(TypeError, match="sequence of callables"):
         finish_all(3)

@@ -155,8 +155,9 @@ def _copy_all(pairs) -> None:
 
 
 # finish_all(steps): every step run in order to its end, in C (csrc/finish_all.cpp) so that no
-# Python code runs between them: one interrupted runs again until it ends, one that fails once
-# more, then the next runs, and the first error is raised after the last. Steps are idempotent.
+# Python code runs between them: one interrupted runs again (up to 16 times: an interrupt the
+# step raises itself must not loop forever), one that fails once more, then the next runs, and
+# the first error is raised after the last. Steps are idempotent.
 finish_all = _C.finish_all
 
 

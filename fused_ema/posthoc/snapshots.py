@@ -316,8 +316,7 @@ class Snapshots:
         Two jobs of the snapshot worker, in order: the staging, then the files."""
         self.check_folder()
         wait_for = tracks[0]._updater.runner.job()
-        index = self.next_index
-        self.next_index += 1
+        index = self.next_index  # moved on only once the snapshot is taken
         files, events = [], []
         for k, track in enumerate(tracks):
             entries, tensors = track._binding.table.entries, None
@@ -349,7 +348,7 @@ class Snapshots:
                 events[-1].record(torch.cuda.current_stream(tensor.device))
             files.append((snapshot_path(self.folder, index, k), pinned, on_cpu, metadata))
         if not files:
-            self.last_step = t
+            self.next_index, self.last_step = index + 1, t
             return
         # (no raise_failure here: an update that took this snapshot has already changed the EMAs,
         # and an earlier write's failure would lose this snapshot; the next call raises it)
@@ -381,13 +380,18 @@ class Snapshots:
             self._written.append(writing)
             SNAPSHOTS.put(staging)
             SNAPSHOTS.put(writing)
-            self.last_step = t  # (not where interrupted: save_snapshot may take it again)
+            self.next_index, self.last_step = index + 1, t  # (not where interrupted)
         except BaseException:
             # Interrupted: what the worker has not begun is taken back (a dropped staging makes
-            # its write a no-op), so no staging is left that nobody will run.
+            # its write a no-op), so no staging is left that nobody will run; a write it has
+            # begun makes this snapshot taken.
             for job in (staging, writing):
                 if job.claim():
                     job.drop("the call that took this snapshot was interrupted")
+                elif job is writing:
+                    self.next_index, self.last_step = index + 1, t
+            if self.last_step != t:  # the interrupt tells the caller: no later failure to raise
+                self._written = [j for j in self._written if j is not writing]
             raise
 
     def wait_staged(self) -> None:

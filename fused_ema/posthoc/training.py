@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._model.swap import finish_all
 from .._model.walk import unwrap_model
 from .._tracks import TrackSet, same
 from .._update.schedule import POWER_FUNCTION, whole_number
@@ -170,22 +171,41 @@ class PostHocEma(TrackSet):
             snapshots.check_folder()
         try:
             leader.update(model, step, non_blocking)
+            if t is None and snapshots.folder is not None:
+                self._counted_snapshot()
+                return
+            # A dict store, not Module.__setattr__: a call, where an interrupt could leave the
+            # count one behind the counter and every later snapshot labelled with the step before.
+            self.__dict__["_t"] = t
+            if snapshots.due(t):
+                self._take(t)
         except BaseException:
-            self._t = None
+            # An interrupt may land once the update has gone through: the counter says whether
+            # it did, read back now for a snapshot due there (and at the next update).
+            self.__dict__["_t"] = None
+            if snapshots.folder is not None and not non_blocking:
+                self._counted_snapshot(missed=True)
             raise
-        if t is None and snapshots.folder is not None:
-            self._counted_snapshot()
-            return
-        self._t = t
-        if snapshots.due(t):
-            self._snapshots.take(self._tracks, self.gammas, t)
 
     @torch.compiler.disable
-    def _counted_snapshot(self) -> None:
-        """A snapshot if due at the update count read from the leader's counter (a device read)."""
-        self._t = self._tracks[0]._schedule.value() - self._update_after_step
-        if self._snapshots.due(self._t):
-            self._snapshots.take(self._tracks, self.gammas, self._t)
+    def _counted_snapshot(self, missed: bool = False) -> None:
+        """A snapshot if due at the update count read from the leader's counter (a device read);
+        `missed`: only if none was taken at that count (after an update that may not have run)."""
+        t = self._tracks[0]._schedule.value() - self._update_after_step
+        self.__dict__["_t"] = t
+        if self._snapshots.due(t) and not (missed and t == self._snapshots.last_step):
+            self._take(t)
+
+    def _take(self, t: int) -> None:
+        """The snapshot at update count `t`, part of the update that reached it: taken to its end
+        whatever interrupts it (finish_all), once."""
+        snapshots = self._snapshots
+
+        def take_once():
+            if snapshots.last_step != t:
+                snapshots.take(self._tracks, self.gammas, t)
+
+        finish_all([take_once])
 
     def synchronize(self) -> None:
         """Waits for a non_blocking update and for every snapshot submitted to be written."""
