@@ -203,7 +203,9 @@ class Updater:
                 return True
             weight = schedules[0].weight
             if self.followers:  # a joined plan: one weight per EMA (the leader's first)
-                weight = torch.cat([s.weight for s in schedules])
+                # A generator, not a list comprehension: Python 3.12 inlines those, and an
+                # interrupt raised at a line inside one can skip this try's handler.
+                weight = torch.cat(tuple(s.weight for s in schedules))
             if not non_blocking:
                 plan.run(walk, weight, self.schedule.step, values)
             elif plan.start(walk, weight, self.schedule.step, self.runner):
