@@ -146,18 +146,6 @@ class Updater:
         the tensors (raising _Declined, having changed nothing, where one changed)."""
         schedules = self._schedules()
         plan, undos, wrote = None, [], lambda: False
-
-        def settle():
-            if self.runner.busy:
-                self.runner.settle()  # a job this call prepared: finished or dropped
-
-        def roll_back():  # idempotent, as finish_all needs
-            written = wrote() or (plan is not None and plan.started())
-            self._end(commit=written)  # it wrote, so it finished: only the error propagates
-            if not written:
-                for undo in reversed(undos):
-                    undo()  # a resync that the failed update made is undone too
-
         try:
             plans = []
             for track, track_ema in ((self, ema), *((f, f.ema_ref()) for f in self.followers)):
@@ -211,6 +199,18 @@ class Updater:
             elif plan.start(walk, weight, self.schedule.step, self.runner):
                 return False
         except BaseException:
+            # Made here, not before the try: a successful update makes no closure.
+            def settle():
+                if self.runner.busy:
+                    self.runner.settle()  # a job this call prepared: finished or dropped
+
+            def roll_back():  # idempotent, as finish_all needs
+                written = wrote() or (plan is not None and plan.started())
+                self._end(commit=written)  # it wrote, so it finished: only the error propagates
+                if not written:
+                    for undo in reversed(undos):
+                        undo()  # a resync that the failed update made is undone too
+
             finish_all([settle, roll_back])  # both to their end, whatever interrupts them
             raise
         return True
