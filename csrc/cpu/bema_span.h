@@ -66,6 +66,13 @@ void bema_range(E* ema, E* theta0, E* out, const S* src, int64_t n,
   const Vec valpha = splat(alpha);
   const bool stream = kOut && streams(out, n);
   for (; i + kStep <= n; i += kStep) {
+    if constexpr ((kEma || kOut) && (kTheta || kOut)) {
+      prefetch_ahead<kStep>(i, n, src, ema, theta0);
+    } else if constexpr (kEma || kOut) {
+      prefetch_ahead<kStep>(i, n, src, ema);
+    } else {
+      prefetch_ahead<kStep>(i, n, src, theta0);
+    }
     Vec s0, s1, e0, e1, t0, t1;
     load2(src + i, s0, s1);
     if constexpr (kEma || kOut) {

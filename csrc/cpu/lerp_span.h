@@ -40,6 +40,7 @@ void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff)
   constexpr int64_t kStep = 2 * sizeof(Vec) / sizeof(opmath_t);
   const Vec vcoeff = splat(coeff);
   for (; i + kStep <= n; i += kStep) {
+    prefetch_ahead<kStep>(i, n, src, ema);
     Vec e0, e1, s0, s1;
     load2(ema + i, e0, e1);
     load2(src + i, s0, s1);

@@ -166,6 +166,7 @@ void sr_range(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStre
   const uint32_t k1 = sr::hi32(st.k);
   Lanes x = pair_inputs(sr::lo32((first + static_cast<uint64_t>(i)) >> 1), st.k);
   for (; i + 2 * kLanes <= n; i += 2 * kLanes, x += kLanes * sr::kPairStep) {
+    prefetch_ahead<2 * kLanes>(i, n, src, ema);
     const Lanes words = sr::lowbias32(x, k1);
     VecF e0, e1, s0, s1;
     load2(ema + i, e0, e1);
