@@ -48,8 +48,10 @@ PyObject* python_finish_all(PyObject* /*module*/, PyObject* steps) {
   }
   PyObject* first = nullptr;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    // Held while it runs: a step may change the list it came from (the list's item is borrowed).
+    PyObject* step = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
     for (int failures = 0, interrupts = 0; failures < 2 && interrupts < kMaxInterrupted;) {
-      PyObject* result = PyObject_CallNoArgs(PySequence_Fast_GET_ITEM(seq, i));
+      PyObject* result = PyObject_CallNoArgs(step);
       if (result != nullptr) {
         Py_DECREF(result);
         break;
@@ -62,6 +64,7 @@ PyObject* python_finish_all(PyObject* /*module*/, PyObject* steps) {
         Py_XDECREF(error);
       }
     }
+    Py_DECREF(step);
   }
   Py_DECREF(seq);
   if (first != nullptr) {

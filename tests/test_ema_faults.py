@@ -886,3 +886,24 @@ def test_finish_all_runs_every_step_to_its_end_and_raises_the_first_error():
     finish_all([])
     with pytest.raises(TypeError, match="sequence of callables"):
         finish_all(3)
+
+
+def test_finish_all_keeps_a_step_that_empties_its_list_alive_while_it_runs_again():
+    """A step holds the only reference left to itself once it has cleared the list it came from;
+    run again after an interrupt, it must still be there (before: freed, a crash)."""
+    from fused_ema._model.swap import finish_all
+
+    runs = []
+
+    class Step:
+        def __call__(self):
+            runs.append(self.name)
+            steps.clear()
+            if len(runs) == 1:
+                raise KeyboardInterrupt
+
+    steps = [Step(), Step()]
+    steps[0].name, steps[1].name = "first", "second"
+    with pytest.raises(KeyboardInterrupt):
+        finish_all(steps)
+    assert runs == ["first", "first"] and steps == []  # the second left the list before its turn
