@@ -12,6 +12,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../prefetch.h"
 #include "../stochastic_round.h"
 
 namespace fused_ema::cpu {
@@ -36,15 +37,6 @@ inline E narrow(T v) {
 // an element (benchmarks/sr_span_micro.cpp); two threads, 16-bit lists 20-30% faster, float32 ones
 // within noise (benchmarks/results/prefetch-ab_*).
 constexpr int64_t kPrefetchAheadBytes = 4096;
-constexpr int64_t kCacheLine = 64;
-
-template <int kWrite, int64_t kCount, typename T>
-[[gnu::always_inline]] inline void prefetch_lines(const T* p) {
-  const auto* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < kCount * static_cast<int64_t>(sizeof(T)); b += kCacheLine) {
-    __builtin_prefetch(bytes + b, kWrite);
-  }
-}
 
 // Prefetches elements [i, i + kCount) of `read` and of the `written` arrays, kPrefetchAheadBytes
 // of E ahead, when they lie before n (past it are other tensors', if anything).
@@ -55,9 +47,9 @@ template <int64_t kCount, typename S, typename E, typename... Es>
   if (i + kAhead + kCount > n) {
     return;
   }
-  prefetch_lines<0, kCount>(read + i + kAhead);
-  prefetch_lines<1, kCount>(written + i + kAhead);
-  (prefetch_lines<1, kCount>(more_written + i + kAhead), ...);
+  prefetch_object<kCount * sizeof(S)>(read + i + kAhead);
+  prefetch_object<kCount * sizeof(E), 1>(written + i + kAhead);
+  (prefetch_object<kCount * sizeof(Es), 1>(more_written + i + kAhead), ...);
 }
 
 }  // namespace CPU_CAPABILITY
