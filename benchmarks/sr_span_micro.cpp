@@ -45,9 +45,9 @@ double best_ns(bool stochastic, int n, float scale) {
     for (int c = 0; c < calls; ++c) {
       stream.step = static_cast<uint64_t>(c);
       if (stochastic) {
-        lerp_stochastic_span<T, T>(ema.data(), src.data(), 0, n, 1e-4, stream);
+        lerp_stochastic_span<T, T>(ema.data(), src.data(), 0, n, n, 1e-4, stream);
       } else {
-        lerp_span<T, T>(ema.data(), src.data(), 0, n, 1e-4);
+        lerp_span<T, T>(ema.data(), src.data(), 0, n, n, 1e-4);
       }
     }
     const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;

@@ -96,6 +96,25 @@ def test_every_kind_of_value_matches_reference_on_the_vector_path(pair, weight, 
     assert_bitwise(ema, want)
 
 
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_bfloat16_nan_in_any_one_lane_matches_reference(src_dtype, cpu_isa):
+    """A single NaN (either sign, quiet or with a payload) in one lane of a vector block, block by
+    block through every lane of either half (the AVX paths check a block for NaN once, then round
+    it lane by lane): every other element of the block still rounds stochastically."""
+    g = torch.Generator().manual_seed(21)
+    lanes = 64  # at least two blocks of the widest path (2 x 16 pairs)
+    values = torch.randn(lanes * lanes, generator=g)
+    nans = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF], dtype=torch.int64)
+    positions = torch.arange(lanes) * lanes + torch.arange(lanes)
+    values[positions] = nans.repeat(lanes // 4).to(torch.int32).view(torch.float32)
+    ema = [torch.randn(lanes * lanes, generator=g).to(torch.bfloat16)]
+    src = [values.to(src_dtype)]
+    want = expected(ema, src, 0.3, 9, 4, [2], [0])
+    fused_ema.lerp_stochastic_(ema, src, 0.3, seed=9, step=4, keys=[2])
+    assert_bitwise(ema, want)
+    assert int(torch.isnan(ema[0]).sum()) == lanes
+
+
 @pytest.mark.parametrize("weight", [0.3, 1.0])
 def test_float16_subnormals_in_every_lane_match_reference(weight, cpu_isa):
     """Blocks made of float16 subnormals and zeros (the AVX paths round them in float arithmetic

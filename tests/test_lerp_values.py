@@ -291,6 +291,32 @@ def test_every_cpu_isa_writes_the_same_bits_for_special_values(pair, restore_cpu
                 assert bool(((nan_bits & 0x7FFF) == 0x7E00).all()), f"{isa}: {nan_bits.unique()}"
 
 
+@pytest.mark.parametrize("ema_dtype", [torch.bfloat16, torch.float16])
+def test_one_nan_in_any_lane_rounds_like_c10_on_every_cpu_isa(ema_dtype, restore_cpu_isa):
+    """A single NaN from the float32 source in one lane of a vector block, block by block through
+    every lane (the AVX paths check two vectors for NaN at once, then convert lane by lane): every
+    element is what torch's own lerp in float32 and c10's conversion write, NaN as 0x7FC0
+    (bfloat16) or sign | 0x7E00 (float16), the block's other elements rounded to nearest."""
+    g = torch.Generator().manual_seed(22)
+    lanes = 64  # at least two blocks of the widest path (2 x 16 floats)
+    src = torch.randn(lanes * lanes, generator=g)
+    nans = torch.tensor([0x7FC12345, -0x003FFFFF, 0x7F800001, 0x7FFFFFFF], dtype=torch.int64)
+    at = torch.arange(lanes) * lanes + torch.arange(lanes)
+    src[at] = nans.repeat(lanes // 4).to(torch.int32).view(torch.float32)
+    ema = torch.randn(lanes * lanes, generator=g).to(ema_dtype)
+    want = torch.lerp(ema.float(), src, 0.3).to(ema_dtype)  # NaN: torch's vector conversion's
+    nan = torch.zeros(lanes * lanes, dtype=torch.bool)
+    nan[at] = True
+    for isa in fused_ema.build_info()["cpu_isas_available"]:
+        fused_ema.set_cpu_isa(isa)
+        out = ema.clone()
+        fused_ema.lerp_([out], [src], 0.3)
+        assert torch.equal(as_bits(out)[~nan], as_bits(want)[~nan]), isa
+        assert torch.equal(out.isnan(), nan), isa
+        nan_bits = as_bits(out)[nan].int() & (0xFFFF if ema_dtype == torch.bfloat16 else 0x7FFF)
+        assert bool((nan_bits == (0x7FC0 if ema_dtype == torch.bfloat16 else 0x7E00)).all()), isa
+
+
 @pytest.mark.parametrize("pair", SAME_DTYPE_PAIRS, ids=pair_id)
 def test_cpu_isa_paths_match_foreach(pair, restore_cpu_isa):
     ema, src = make_lists([7, 100, 4097], pair, "cpu", seed=15)

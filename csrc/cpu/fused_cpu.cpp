@@ -184,13 +184,13 @@ void run_fused(const DevicePlan& plan, const FusedCall& call) {
   const auto lerp = [&](const FlatPair& pair, uint32_t track, int64_t begin, int64_t end) {
     const int kind = static_cast<int>(pair.kind);
     if (!call.stochastic()) {
-      kernels.pair[kind].fn(pair.ema, pair.src, begin, end, weights[track]);
+      kernels.pair[kind].fn(pair.ema, pair.src, begin, end, pair.numel, weights[track]);
       return;
     }
     const SrStream stream{static_cast<uint64_t>(r.seeds[track]), r.step,
                           static_cast<uint64_t>(r.offsets[pair.index - track * tensors]),
                           static_cast<uint32_t>(r.keys[pair.index])};
-    kernels.pair[kind].sr(pair.ema, pair.src, begin, end, weights[track], stream);
+    kernels.pair[kind].sr(pair.ema, pair.src, begin, end, pair.numel, weights[track], stream);
   };
   if (call.bema()) {
     run_bema(bema_items(plan, call.tensors), kernels, weights);

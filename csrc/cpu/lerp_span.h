@@ -30,9 +30,10 @@ inline LerpCoeff<T> lerp_coeff(T w) {
   return {small ? w : w - T(1), small};
 }
 
-// kSmallWeight: LerpCoeff::small, as a template argument.
+// kSmallWeight: LerpCoeff::small, as a template argument. Elements [0, n) are updated, those
+// before `reach` (>= n, the tensor's end) prefetched.
 template <typename E, typename S, bool kSmallWeight>
-void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff) {
+void lerp_range(E* ema, const S* src, int64_t n, int64_t reach, typename OpMath<E>::type coeff) {
   using opmath_t = typename OpMath<E>::type;
   int64_t i = 0;
 #ifdef FUSED_EMA_VECTORIZED
@@ -40,7 +41,7 @@ void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff)
   constexpr int64_t kStep = 2 * sizeof(Vec) / sizeof(opmath_t);
   const Vec vcoeff = splat(coeff);
   for (; i + kStep <= n; i += kStep) {
-    prefetch_ahead<kStep>(i, n, src, ema);
+    prefetch_ahead<kStep>(i, reach, src, ema);
     Vec e0, e1, s0, s1;
     load2(ema + i, e0, e1);
     load2(src + i, s0, s1);
@@ -57,11 +58,13 @@ void lerp_range(E* ema, const S* src, int64_t n, typename OpMath<E>::type coeff)
 }
 
 template <typename E, typename S>
-void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, double weight) {
+void lerp_span(void* ema, const void* src, int64_t begin, int64_t end, int64_t numel,
+               double weight) {
   const auto c = lerp_coeff(static_cast<typename OpMath<E>::type>(weight));
   (c.small ? &lerp_range<E, S, true> : &lerp_range<E, S, false>)(static_cast<E*>(ema) + begin,
                                                                  static_cast<const S*>(src) + begin,
-                                                                 end - begin, c.coeff);
+                                                                 end - begin, numel - begin,
+                                                                 c.coeff);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -39,12 +39,13 @@ inline E narrow(T v) {
 constexpr int64_t kPrefetchAheadBytes = 4096;
 
 // Prefetches elements [i, i + kCount) of `read` and of the `written` arrays, kPrefetchAheadBytes
-// of E ahead, when they lie before n (past it are other tensors', if anything).
+// of E ahead, when they lie before `reach` (the tensor's end: past it are other tensors', if
+// anything).
 template <int64_t kCount, typename S, typename E, typename... Es>
-[[gnu::always_inline]] inline void prefetch_ahead(int64_t i, int64_t n, const S* read,
+[[gnu::always_inline]] inline void prefetch_ahead(int64_t i, int64_t reach, const S* read,
                                                   const E* written, const Es*... more_written) {
   constexpr auto kAhead = kPrefetchAheadBytes / static_cast<int64_t>(sizeof(E));
-  if (i + kAhead + kCount > n) {
+  if (i + kAhead + kCount > reach) {
     return;
   }
   prefetch_object<kCount * sizeof(S)>(read + i + kAhead);
@@ -93,7 +94,8 @@ inline void store_bits(void* p, VecU a, VecU b) {
   _mm512_storeu_si512(p, _mm512_permutexvar_epi64(order, _mm512_packus_epi32(a, b)));
 }
 inline void stream_store(float* p, VecF a) { _mm512_stream_ps(p, a); }
-inline bool any_nan(VecF a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+// Whether a or b holds a NaN: one unordered compare checks both.
+inline bool any_nan(VecF a, VecF b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0; }
 
 #else  // AVX2
 using VecF = __m256;
@@ -121,7 +123,9 @@ inline void store_bits(void* p, VecU a, VecU b) {
                       _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
 }
 inline void stream_store(float* p, VecF a) { _mm256_stream_ps(p, a); }
-inline bool any_nan(VecF a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+inline bool any_nan(VecF a, VecF b) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0;
+}
 #endif
 
 constexpr int kLanes = sizeof(VecF) / sizeof(float);
@@ -138,21 +142,22 @@ inline void widen_words(Lanes bits, Lanes& lo, Lanes& hi) {
 }
 inline void store_bits(void* p, Lanes a, Lanes b) { store_bits(p, (VecU)a, (VecU)b); }
 
-// NaN checked once per vector (it is rare), so that 16-bit results hold NaN as c10's scalar
-// conversions write it, not as the hardware would (which keeps the top of a NaN's payload).
-inline bool no_nan(VecF a) { return __builtin_expect(!any_nan(a), 1); }
+// NaN checked once per two vectors (it is rare), so that 16-bit results hold NaN as c10's scalar
+// conversions write it, not as the hardware would (which keeps the top of a NaN's payload): the
+// lane-wise choice below runs only where `nan` says a vector pair holds one.
+inline bool maybe_nan(VecF a, VecF b) { return __builtin_expect(any_nan(a, b), 0); }
 inline Lanes nan_lanes(Lanes bits) { return (Lanes)((bits & sr::kF32AbsMask) > sr::kF32Inf); }
 
 // c10::BFloat16's round to nearest even, lane by lane (NaN: 0x7FC0, sign dropped).
-inline Lanes round_bf16_nearest(VecF a) {
+inline Lanes round_bf16_nearest(VecF a, bool nan) {
   const Lanes bits = (Lanes)a;
   const Lanes rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return no_nan(a) ? rounded : nan_lanes(bits) ? splat_lanes(sr::kBF16NaN) : rounded;
+  return nan ? (nan_lanes(bits) ? splat_lanes(sr::kBF16NaN) : rounded) : rounded;
 }
 
 // c10::Half's round to nearest even (NaN: sign | 0x7E00).
-inline HalfVec float_to_half_c10(VecF a) {
-  if (no_nan(a)) {
+inline HalfVec float_to_half_c10(VecF a, bool nan) {
+  if (!nan) {
     return float_to_half(a);
   }
   const Lanes bits = (Lanes)a;
@@ -187,15 +192,17 @@ inline void store2_rounded(T* p, V& a, V& b) {
   store2(p, a, b);
 }
 inline void store2_rounded(c10::BFloat16* p, VecF& a, VecF& b) {
-  const Lanes lo = round_bf16_nearest(a);
-  const Lanes hi = round_bf16_nearest(b);
+  const bool nan = maybe_nan(a, b);
+  const Lanes lo = round_bf16_nearest(a, nan);
+  const Lanes hi = round_bf16_nearest(b, nan);
   store_bits(p, lo, hi);
   a = (VecF)(lo << 16);
   b = (VecF)(hi << 16);
 }
 inline void store2_rounded(c10::Half* p, VecF& a, VecF& b) {
-  const HalfVec lo = float_to_half_c10(a);
-  const HalfVec hi = float_to_half_c10(b);
+  const bool nan = maybe_nan(a, b);
+  const HalfVec lo = float_to_half_c10(a, nan);
+  const HalfVec hi = float_to_half_c10(b, nan);
   std::memcpy(p, &lo, sizeof(lo));
   std::memcpy(p + kLanes, &hi, sizeof(hi));
   a = half_to_float(lo);

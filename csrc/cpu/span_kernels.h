@@ -8,8 +8,11 @@
 
 namespace fused_ema::cpu {
 
-// Updates ema[begin:end] of one dense pair in place; `weight` is rounded once to the opmath type.
-using SpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, double weight);
+// Updates ema[begin:end] of one dense pair of `numel` elements in place; `weight` is rounded once
+// to the opmath type. The loop prefetches ahead up to numel, past `end`: lerp_many_ hands a tensor
+// over in 4 KB blocks, a call each, whose next block is then on its way.
+using SpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, int64_t numel,
+                        double weight);
 
 // The random stream of one tensor of lerp_stochastic_ (../stochastic_round.h): the span's
 // elements are numbered from `offset` on.
@@ -21,8 +24,8 @@ struct SrStream {
 };
 
 // lerp_stochastic_ on ema[begin:end]: 16-bit EMAs are rounded stochastically, others as SpanFn.
-using SrSpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, double weight,
-                          const SrStream& stream);
+using SrSpanFn = void (*)(void* ema, const void* src, int64_t begin, int64_t end, int64_t numel,
+                          double weight, const SrStream& stream);
 
 // bema_ on elements [begin, end) of one tensor's four dense views (bema_span.h); `weights` holds
 // (beta, w0, alpha), each rounded once to the opmath type.

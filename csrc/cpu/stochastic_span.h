@@ -54,9 +54,10 @@ inline Words to_half_toward_zero(Lanes a, Lanes b) {
   const __m256i hi = _mm512_cvt_roundps_ph((VecF)b, kTowardZero);
   return (Words)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
-// Whether a lane of a is above b, unsigned.
-inline bool any_above(Words a, uint16_t b) {
-  return _mm512_cmpgt_epu16_mask((VecU)a, _mm512_set1_epi16(static_cast<int16_t>(b))) != 0;
+// Whether a lane of a lies outside [lo, lo + span], unsigned.
+inline bool any_outside(Words a, uint16_t lo, uint16_t span) {
+  const Words shifted = a - lo;
+  return _mm512_cmpgt_epu16_mask((VecU)shifted, _mm512_set1_epi16(static_cast<int16_t>(span))) != 0;
 }
 #elif defined(CPU_CAPABILITY_AVX2)
 inline Lanes min_lanes(Lanes a, Lanes b) { return (Lanes)_mm256_min_epu32((VecU)a, (VecU)b); }
@@ -65,10 +66,12 @@ inline Words to_half_toward_zero(Lanes a, Lanes b) {
   const __m128i hi = _mm256_cvtps_ph((VecF)b, _MM_FROUND_TO_ZERO);
   return (Words)_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
-// No unsigned 16-bit comparison: flipping the top bits turns it into a signed one.
-inline bool any_above(Words a, uint16_t b) {
-  const auto flip = static_cast<uint16_t>(0x8000);
-  const VecU above = _mm256_cmpgt_epi16((VecU)(a ^ flip), _mm256_set1_epi16(b ^ flip));
+// No unsigned 16-bit comparison: a - lo with its top bit flipped, a + (0x8000 - lo), is compared
+// signed (one add for both).
+inline bool any_outside(Words a, uint16_t lo, uint16_t span) {
+  constexpr uint16_t kFlip = 0x8000;
+  const Words biased = a + static_cast<uint16_t>(kFlip - lo);
+  const VecU above = _mm256_cmpgt_epi16((VecU)biased, _mm256_set1_epi16(span ^ kFlip));
   return _mm256_movemask_epi8(above) != 0;
 }
 #endif
@@ -134,7 +137,11 @@ template <typename E>
   if constexpr (std::is_same_v<E, c10::BFloat16>) {
     Lanes w0, w1;
     widen_words(words, w0, w1);
-    store_bits(p, round_bf16_vec(lo, w0), round_bf16_vec(hi, w1));
+    if (maybe_nan((VecF)lo, (VecF)hi)) {  // the lane-wise NaN choice only then
+      store_bits(p, round_bf16_vec(lo, w0), round_bf16_vec(hi, w1));
+    } else {
+      store_bits(p, (lo + w0) >> 16, (hi + w1) >> 16);
+    }
   } else {
     const Lanes rest = ~words;  // 0xFFFF - word in each 16-bit half
     Lanes n0, n1;
@@ -142,7 +149,7 @@ template <typename E>
     const Words fast = to_half_toward_zero(lo + n0, hi + n1);
     // Magnitudes 0x0401 .. 0x7BFE, doubled (dropping the sign), minus 0x0802: 0 .. 0xEFFA.
     const Words doubled = fast + fast;
-    if (__builtin_expect(any_above(doubled - static_cast<uint16_t>(0x0802), 0xEFFA), 0)) {
+    if (__builtin_expect(any_outside(doubled, 0x0802, 0xEFFA), 0)) {
       Lanes r0, r1;
       widen_words(rest, r0, r1);
       store_bits(p, round_f16_vec(lo, n0, r0), round_f16_vec(hi, n1, r1));
@@ -153,10 +160,11 @@ template <typename E>
 }
 #endif
 
-// Elements [0, n) of a span, `first` its first element's index, within one block of 2**32 pairs.
+// Elements [0, n) of a span, `first` its first element's index, within one block of 2**32 pairs;
+// those before `reach` (>= n) prefetched.
 template <typename E, typename S, bool kSmallWeight>
-void sr_range(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStream& st,
-              uint64_t first) {
+void sr_range(E* ema, const S* src, int64_t n, int64_t reach, float coeff,
+              const sr::TensorStream& st, uint64_t first) {
   int64_t i = 0;
 #ifdef FUSED_EMA_VECTORIZED
   // kLanes pairs a block, from an even element on.
@@ -166,7 +174,7 @@ void sr_range(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStre
   const uint32_t k1 = sr::hi32(st.k);
   Lanes x = pair_inputs(sr::lo32((first + static_cast<uint64_t>(i)) >> 1), st.k);
   for (; i + 2 * kLanes <= n; i += 2 * kLanes, x += kLanes * sr::kPairStep) {
-    prefetch_ahead<2 * kLanes>(i, n, src, ema);
+    prefetch_ahead<2 * kLanes>(i, reach, src, ema);
     const Lanes words = sr::lowbias32(x, k1);
     VecF e0, e1, s0, s1;
     load2(ema + i, e0, e1);
@@ -182,8 +190,8 @@ void sr_range(E* ema, const S* src, int64_t n, float coeff, const sr::TensorStre
 // Updates ema[begin:end] of one dense pair: stochastic rounding for 16-bit EMAs, the plain lerp
 // (lerp_span.h) for float32/float64 ones.
 template <typename E, typename S>
-void lerp_stochastic_span(void* ema, const void* src, int64_t begin, int64_t end, double weight,
-                          const SrStream& st) {
+void lerp_stochastic_span(void* ema, const void* src, int64_t begin, int64_t end, int64_t numel,
+                          double weight, const SrStream& st) {
   if constexpr (std::is_same_v<E, c10::BFloat16> || std::is_same_v<E, c10::Half>) {
     const auto w = static_cast<float>(weight);
     E* e = static_cast<E*>(ema) + begin;
@@ -196,15 +204,16 @@ void lerp_stochastic_span(void* ema, const void* src, int64_t begin, int64_t end
       const uint64_t room = (((first >> 33) + 1) << 33) - first;
       const auto len = static_cast<int64_t>(std::min<uint64_t>(n - i, room));
       const sr::TensorStream stream(step_key, st.key, first);
+      const int64_t reach = numel - begin - i;
       if (small) {
-        sr_range<E, S, true>(e + i, s + i, len, w, stream, first);
+        sr_range<E, S, true>(e + i, s + i, len, reach, w, stream, first);
       } else {
-        sr_range<E, S, false>(e + i, s + i, len, w - 1.0f, stream, first);
+        sr_range<E, S, false>(e + i, s + i, len, reach, w - 1.0f, stream, first);
       }
       i += len;
     }
   } else {
-    lerp_span<E, S>(ema, src, begin, end, weight);
+    lerp_span<E, S>(ema, src, begin, end, numel, weight);
   }
 }
 
