@@ -36,6 +36,7 @@ class ParsedCheckpoint:
     schedule: dict | None = None
     problems: list[str] = field(default_factory=list)
     filters: dict | None = None  # the name filters a fused_ema checkpoint was saved with
+    partition: object = None  # the ZeRO-3 rank and world size whose partitions it holds
 
 
 def _as_step(value, key: str, problems: list[str]) -> int | None:
@@ -126,7 +127,15 @@ def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
             problems.append("'weights' is missing or not a dict")
             weights = {}
         step, schedule, filters = state.get("step"), state.get("schedule"), state.get("filters")
-        return parsed("fused_ema", dict(weights), step, "step", schedule=schedule, filters=filters)
+        return parsed(
+            "fused_ema",
+            dict(weights),
+            step,
+            "step",
+            schedule=schedule,
+            filters=filters,
+            partition=state.get("zero3_partition"),
+        )
     if isinstance(state.get(PRETRAINED), Mapping):  # read_source's reading of a folder
         folder = state[PRETRAINED]
         step = folder.get("config", {}).get("optimization_step")
@@ -339,6 +348,24 @@ def _filter_problems(saved, policy) -> list[str]:
     ]
 
 
+def _partition_problems(saved, here: dict | None) -> list[str]:
+    """Why a checkpoint of the ZeRO-3 partitions of `saved` ({"rank", "world"}, or None: not one)
+    cannot load as slices into an EMA holding those of `here` (None: it loads none): each rank's
+    partitions load back on that rank only, though their shapes may match another's."""
+    if saved is None:
+        return []
+    fields = isinstance(saved, Mapping) and set(saved) == {"rank", "world"}
+    if not fields or not all(type(v) is int for v in saved.values()):
+        return [f"'zero3_partition' should be {{'rank': int, 'world': int}}, got {saved!r}"]
+    if here is None or saved == here:
+        return []
+    return [
+        f"it holds the ZeRO-3 partitions of rank {saved['rank']} of {saved['world']}, and this "
+        f"is rank {here['rank']} of {here['world']}: a checkpoint saved per rank loads at the "
+        "same world size and rank, a whole one (full_state_dict()) at any"
+    ]
+
+
 def prepare_load(
     table,
     state,
@@ -378,6 +405,7 @@ def prepare_load(
         except (TypeError, ValueError) as err:
             fatal.append(f"schedule: {err}")
     pairs, problems, mismatched, covered = [], [], [], {}
+    sliced = False  # whether it gives a ZeRO-3 partitioned entry a slice (not its whole shape)
     for name, tensor in weights.items():
         entry = table.by_name.get(name)
         if entry is None:
@@ -390,6 +418,8 @@ def prepare_load(
             and tensor.shape == bound.ds_shape != entry.ema.shape  # the EMA holds a slice
         ):
             tensor = zero3.take_partition(tensor, bound)  # a whole (unsharded) checkpoint's value
+        elif partitioned and isinstance(tensor, torch.Tensor) and tensor.shape != bound.ds_shape:
+            sliced = True
         problem = tensor_problem(name, tensor, entry.ema)
         if problem and partitioned:
             problem += (
@@ -411,6 +441,7 @@ def prepare_load(
             mismatched.append(name)
         elif first_name == name:
             pairs.append((entry, tensor))
+    fatal += _partition_problems(parsed.partition, zero3.holder(table.entries) if sliced else None)
     missing = [e.name for e in table.entries if id(e) not in covered]
     unexpected = [k for k in weights if k not in table.by_name]
     listed = fatal + problems

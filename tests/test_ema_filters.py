@@ -134,6 +134,38 @@ def test_a_tied_weight_follows_any_of_its_names():
     assert "embed.weight" not in ema.names() and "head.weight" not in ema.names()
 
 
+@pytest.mark.filterwarnings("ignore:.*match no parameter")  # "2": not before the rename
+@pytest.mark.parametrize("resync", ["on_mismatch", "explicit"])
+@pytest.mark.parametrize("pattern", ["1", "2"])
+def test_a_followed_rename_applies_copy_names_to_the_present_names(pattern, resync):
+    """A module inserted in front renames the layers after it (0.* -> 1.*, 1.* -> 2.*):
+    copy_names rules them by the names they carry now, as in a new EMA of the model. Renamed into
+    the pattern: copied from then on; out of it: averaged, from the model's value at the resync."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    mode = "resync" if resync == "on_mismatch" else "error"
+    ema = fused_ema.ModelEma(model, 0.9, copy_names=[pattern], on_mismatch=mode)
+    for _ in range(3):
+        trained(model, 1, seed=4)
+        ema.update(model)
+    model.insert(0, nn.Linear(4, 4))
+    if resync == "explicit":
+        ema.resync(model)
+    at_resync = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trained(model, 2, seed=5)
+    ema.update(model)
+    assert rules(ema) == rules(fused_ema.ModelEma(model, 0.9, copy_names=[pattern]))
+    weights = ema.state_dict()["weights"]
+    for name, p in model.named_parameters():
+        if name.startswith(pattern + "."):  # renamed into the pattern (1.* was averaged as 0.*)
+            assert torch.equal(weights[name], p.detach()), name
+    if pattern == "1":  # 2.* was copied as 1.*: averaged now, from the model's value at the resync
+        start = at_resync if resync == "explicit" else dict(model.named_parameters())
+        for name in ("2.weight", "2.bias"):
+            want = start[name].detach() + 0.1 * (model.get_parameter(name).detach() - start[name])
+            torch.testing.assert_close(weights[name], want, rtol=0, atol=1e-6)
+
+
 def test_structure_checks_respect_the_filters():
     model = Nested()
     with pytest.warns(UserWarning, match="match no parameter"):  # not yet: they come later

@@ -158,6 +158,9 @@ def test_a_model_not_replicated_identically_fails_on_every_rank(world, tmp_path)
     assert errors[0] is not None and all(e == errors[0] for e in errors)
     assert "replicated identically" in errors[0] and "holds other values" in errors[0]
     assert "rank 1" in errors[0]
+    permuted = [r["permuted"] for r in ranks]  # the same values, in another order, on one rank
+    assert permuted[0] is not None and all(e == permuted[0] for e in permuted)
+    assert "replicated identically" in permuted[0] and f"rank {world - 1}: l1.weight" in permuted[0]
     for r in ranks:
         assert r["copied_differs"] == []  # a deepcopy keeps working, alike
         assert r["pickled"].startswith("TypeError") and "dcp" not in r["pickled"]

@@ -21,11 +21,14 @@ def drift(model, generator, scale=1e-3):
             p.add_(torch.randn(p.shape, generator=generator) * scale)
 
 
+# Seeds from 2**63 up (and -1, PostHocEma's 2**64 - 1 for track 0) reach the op as the int64 of the
+# same bits, as lerp_stochastic_'s own seed does.
+@pytest.mark.parametrize("seed", [7, 2**63, 2**64 - 1, -1])
 @pytest.mark.parametrize("dtype", HALF)
-def test_default_is_stochastic_and_follows_the_op_bit_for_bit(dtype):
+def test_default_is_stochastic_and_follows_the_op_bit_for_bit(dtype, seed):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
-    ema = fused_ema.ModelEma(model, decay=0.999, dtype=dtype, stochastic_rounding_seed=7)
+    ema = fused_ema.ModelEma(model, decay=0.999, dtype=dtype, stochastic_rounding_seed=seed)
     names = [n for n, _ in model.named_parameters()]
     mine = [p.detach().to(dtype) for p in model.parameters()]
     g = torch.Generator().manual_seed(1)
@@ -37,7 +40,7 @@ def test_default_is_stochastic_and_follows_the_op_bit_for_bit(dtype):
             mine,
             [p.detach() for p in model.parameters()],
             torch.tensor(weight, dtype=torch.float64),
-            seed=7,
+            seed=seed,
             step=step,
             keys=[zlib.crc32(n.encode()) & 0x7FFFFFFF for n in names],
         )

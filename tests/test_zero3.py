@@ -95,6 +95,7 @@ def test_checkpoints_per_rank_reload_refuse_another_rank_and_take_partitions_of_
     for rank, r in enumerate(ranks):
         c = r["checkpoints"]
         assert c["refused_other_rank"], f"rank {rank}: {c}"
+        assert c["refused_other_rank_dict"] and c["records_rank"], f"rank {rank}: {c}"
         assert c["reloaded"] and c["whole_taken"], f"rank {rank}: {c}"
 
 

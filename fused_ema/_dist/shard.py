@@ -182,20 +182,35 @@ class ShardSpec:
             )
 
 
+# Elements a checksum reads at a time: its int64 temporaries stay at 8 MB each.
+_CHECKSUM_CHUNK = 1 << 20
+
+
 def _checksums(tensors) -> list:
-    """Per tensor, the sum of its elements' bit patterns (exact, identical for identical
-    values); one host read per device."""
+    """Per tensor, the sum of its elements' bit patterns, each times 2i + 1 (i its row-major
+    index), modulo 2**64: exact, identical for identical values, and changed when elements trade
+    places (a plain sum is not); one host read per device."""
     sums, by_device = [], {}
     for t in tensors:
         kind = _INT_OF_SIZE.get(t.element_size())
         if t.is_meta or kind is None or t.dim() == 0 and t.is_complex():
             sums.append(None)
             continue
-        bits = t.detach().reshape(1) if t.dim() == 0 else t.detach()
-        sums.append(bits.view(kind).sum(dtype=torch.int64))
+        sums.append(_weighted_sum(t.detach().reshape(-1).view(kind)))
         by_device.setdefault(t.device, []).append(sums[-1])
     values = {d: iter(torch.stack(v).tolist()) for d, v in by_device.items()}
     return [None if s is None else next(values[s.device]) for s in sums]
+
+
+def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
+    """sum(bits[i] * (2i + 1)) in int64 (which wraps), chunk by chunk: a chunk from `start` adds
+    its own weighted sum plus 2 * start times its plain sum."""
+    weights = torch.arange(min(len(bits), _CHECKSUM_CHUNK), device=bits.device) * 2 + 1
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, len(bits), _CHECKSUM_CHUNK):
+        chunk = bits[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        total += (chunk * weights[: len(chunk)]).sum() + chunk.sum() * (2 * start)
+    return total
 
 
 def _differences(mine: list, other: list) -> list:

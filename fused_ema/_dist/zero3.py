@@ -52,6 +52,17 @@ def copied(t: torch.Tensor) -> torch.Tensor:
     return partition(t) if is_zero3(t) else local(t)
 
 
+def holder(entries) -> dict | None:
+    """{"rank", "world"} of the ZeRO-3 partitions that EMA `entries` hold (a state dict of them
+    loads back only there; checkpoint.py compares it), or None when they hold none."""
+    for e in entries:
+        p = e.bound()
+        if p is not None and is_zero3(p) and same_layout(e.ema, p) and e.ema.shape != p.ds_shape:
+            group = p.ds_process_group
+            return {"rank": dist.get_rank(group=group), "world": dist.get_world_size(group=group)}
+    return None
+
+
 def same_layout(ema: torch.Tensor, p) -> bool:
     """Whether the EMA tensor `ema` still fits the ZeRO-3 parameter `p` on this rank."""
     return ema.dim() == 1 and ema.shape[0] == valid_numel(p)

@@ -98,10 +98,8 @@ class EntryPolicy:
                 "floating-point tensors. Register it as two real parameters (torch.view_as_real) "
                 "or as a buffer (buffers are copied)."
             )
-        # Averaged: a floating parameter (or buffer, with buffers="average") copy_names leaves
-        # alone, kept in the policy's dtype, else float32 (float64 for float64 tensors).
-        copied = not t.is_floating_point() or (tracked.kind != PARAM and self.buffers != "average")
-        average = not copied and not self.copy_filter.matches_any(tracked.names)
+        # Averaged ones are kept in the policy's dtype, else float32 (float64 for float64 tensors).
+        average = self.averages(tracked)
         dtype = average_dtype(t, self.dtype) if average else t.dtype
         if is_dtensor(t):
             check_averageable(tracked.name, t)
@@ -121,6 +119,13 @@ class EntryPolicy:
         if tracked.kind == PARAM:
             ema = nn.Parameter(ema, requires_grad=False)
         return Entry(list(tracked.names), tracked.kind, ema, average, weakref.ref(tracked.tensor))
+
+    def averages(self, tracked: Tracked) -> bool:
+        """Whether `tracked` is averaged, not copied: a floating parameter (or buffer, with
+        buffers="average") that copy_names, matched against its present names, leaves alone."""
+        t = tracked.tensor
+        copied = not t.is_floating_point() or (tracked.kind != PARAM and self.buffers != "average")
+        return not copied and not self.copy_filter.matches_any(tracked.names)
 
 
 @dataclass
@@ -262,10 +267,12 @@ class EntryTable:
         the tensor's current names, reshaped and new tensors start from the model, an untied
         weight starts from a copy of the average it shared, a parameter ZeRO-3 partitioned keeps
         this rank's slice of its average (every rank holds the whole one: no collective), and
-        removed entries go."""
+        removed entries go. One that copy_names now rules otherwise under its present names
+        (renamed into or out of a pattern, or tied to a name in one) starts anew, as in a new
+        EMA."""
         entries = []
         for t, e, how in self.match(tracked):
-            if how in ("new", "reshaped"):
+            if how in ("new", "reshaped") or policy.averages(t) != e.average:
                 entries.append(policy.new_entry(t))
                 continue
             ema = e.ema

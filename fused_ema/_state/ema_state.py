@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .._dist import zero3
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._model.walk import PARAM, named_tensors
 from .._update.schedule import rounding_from_state
@@ -23,6 +24,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # _metadata[prefix] under "fused_ema".
 WEIGHTS, STEP, META_KEY = "weights.", "step", "fused_ema"
 _NESTED_SETTINGS = ("format", "format_version", "schedule", "rounding", "buffers")
+# Saved only by an EMA of ZeRO-3 partitions: the rank and world size they belong to.
+PARTITION = "zero3_partition"
 
 
 def rounding_seed(rounding: dict):
@@ -63,6 +66,9 @@ class EmaState:
             "buffers": self.binding.policy.buffers,
             "filters": self.binding.policy.filters(),
         }
+        holder = zero3.holder(entries)
+        if holder is not None:
+            own[PARTITION] = holder
         if destination is None and not prefix:
             return own
         if destination is None:
@@ -73,7 +79,7 @@ class EmaState:
                 destination[prefix + WEIGHTS + name] = e.ema if keep_vars else e.ema.detach()
         destination[prefix + STEP] = own["step"]
         if getattr(destination, "_metadata", None) is not None:
-            settings = {k: own[k] for k in _NESTED_SETTINGS}
+            settings = {k: own[k] for k in (*_NESTED_SETTINGS, PARTITION) if k in own}
             destination._metadata[prefix[:-1]] = {"version": version, META_KEY: settings}
         return destination
 
@@ -150,7 +156,9 @@ class EmaState:
         settings = (metadata or {}).get(META_KEY)
         if isinstance(settings, dict):
             own |= {
-                k: settings[k] for k in ("format_version", "schedule", "rounding") if k in settings
+                k: settings[k]
+                for k in ("format_version", "schedule", "rounding", PARTITION)
+                if k in settings
             }
         elif settings is not None:
             own["format_version"] = settings  # reported by the parser as a format problem

@@ -13,6 +13,7 @@ from torch import nn
 from .._dist.dtensor import is_dtensor
 from .._dist.zero3 import base, copied, is_zero3
 from .._ext.loader import _C
+from ..ops import _as_int64
 from .plan import LERP_MANY_STOCHASTIC, LERP_STOCHASTIC, UpdatePlan
 
 # How a run moves the step counters (csrc/prepared_update.h's StepMode).
@@ -75,7 +76,7 @@ class Prepared:
             weights,
             list(range(len(tracks))) if many else [],
             schedules[0].step if stochastic else None,
-            [g.seed for g in tracks] if stochastic else [],
+            [_as_int64(g.seed, "seed") for g in tracks] if stochastic else [],  # same bits
             [k for g in tracks for k in g.keys] if stochastic else [],
             group.offsets if stochastic else [],
         )

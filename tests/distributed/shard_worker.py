@@ -385,6 +385,16 @@ def bad_replica(out: Path, rank: int, world: int) -> dict:
         error = None
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
+    # the same values on every rank, but the last rank's l1 rows in reverse order
+    model = ddp_model().module
+    if rank == world - 1:
+        with torch.no_grad():
+            model.l1.weight.copy_(model.l1.weight.flip(0))
+    try:
+        fused_ema.ModelEma(model, shard=True, **SETTINGS)
+        permuted = None
+    except Exception as err:
+        permuted = f"{type(err).__name__}: {err}"
     # a copy of a sharded EMA works on (the process group is shared); a pickle is refused
     model = ddp_model().module
     ema = fused_ema.ModelEma(model, shard=True, **SETTINGS)
@@ -406,7 +416,13 @@ def bad_replica(out: Path, rank: int, world: int) -> dict:
         mesh_2d = None
     except Exception as err:
         mesh_2d = f"{type(err).__name__}: {err}"
-    return {"error": error, "copied_differs": copied_differs, "pickled": pickled, "mesh": mesh_2d}
+    return {
+        "error": error,
+        "permuted": permuted,
+        "copied_differs": copied_differs,
+        "pickled": pickled,
+        "mesh": mesh_2d,
+    }
 
 
 SCENARIOS = {

@@ -367,18 +367,24 @@ def _full_state_dict(module, ema, reference, rank) -> dict:
 
 
 def _checkpoints(module, ema, rank) -> dict:
-    """A rank's state_dict() reloads; another rank's is refused with nothing changed; a whole
-    (unsharded) checkpoint loads into a fresh ZeRO-3 EMA, each rank taking its partition."""
+    """A rank's state_dict() reloads; another rank's is refused with nothing changed: its weights
+    in this rank's dict by their shapes, and its dict by the rank it records, even holding weights
+    of this rank's shapes (ranks' partitions of the same length look alike); a whole (unsharded)
+    checkpoint loads into a fresh ZeRO-3 EMA, each rank taking its partition."""
     own = ema.state_dict()
     mine = {n: v.clone() for n, v in own["weights"].items()}
     theirs = [None, None]
-    dist.all_gather_object(theirs, {n: v for n, v in own["weights"].items()})
-    other = {**own, "weights": theirs[1 - rank]}
-    refusal = ""
-    try:
-        ema.load_state_dict(other)
-    except fused_ema.CheckpointError as err:
-        refusal = str(err)
+    dist.all_gather_object(theirs, own)
+    refusals = []
+    for other in (
+        {**own, "weights": theirs[1 - rank]["weights"]},
+        {**theirs[1 - rank], "weights": mine},
+    ):
+        try:
+            ema.load_state_dict(other)
+            refusals.append("")
+        except fused_ema.CheckpointError as err:
+            refusals.append(str(err))
     unchanged = all(torch.equal(v, mine[n]) for n, v in ema.state_dict()["weights"].items())
     ema.load_state_dict(own)
     reloaded = all(torch.equal(v, mine[n]) for n, v in ema.state_dict()["weights"].items())
@@ -391,7 +397,9 @@ def _checkpoints(module, ema, rank) -> dict:
         for n, v in fresh.state_dict()["weights"].items()
     )
     return {
-        "refused_other_rank": "ZeRO-3 partition" in refusal and unchanged,
+        "refused_other_rank": "ZeRO-3 partition" in refusals[0] and unchanged,
+        "refused_other_rank_dict": f"partitions of rank {1 - rank} of 2" in refusals[1],
+        "records_rank": own.get("zero3_partition") == {"rank": rank, "world": 2},
         "reloaded": reloaded,
         "whole_taken": taken and fresh.step == ema.step,
     }
