@@ -190,26 +190,32 @@ def _checksums(tensors) -> list:
     """Per tensor, the sum of its elements' bit patterns, each times 2i + 1 (i its row-major
     index), modulo 2**64: exact, identical for identical values, and changed when elements trade
     places (a plain sum is not); one host read per device."""
-    sums, by_device = [], {}
+    views, longest = [], {}
     for t in tensors:
         kind = _INT_OF_SIZE.get(t.element_size())
         if t.is_meta or kind is None or t.dim() == 0 and t.is_complex():
-            sums.append(None)
+            views.append(None)
             continue
-        sums.append(_weighted_sum(t.detach().reshape(-1).view(kind)))
-        by_device.setdefault(t.device, []).append(sums[-1])
+        views.append(t.detach().reshape(-1).view(kind))
+        longest[t.device] = max(longest.get(t.device, 0), min(t.numel(), _CHECKSUM_CHUNK))
+    odd = {d: torch.arange(n, device=d) * 2 + 1 for d, n in longest.items()}  # 1, 3, 5, ...
+    sums = [None if v is None else _weighted_sum(v, odd[v.device]) for v in views]
+    by_device = {}
+    for s in sums:
+        if s is not None:
+            by_device.setdefault(s.device, []).append(s)
     values = {d: iter(torch.stack(v).tolist()) for d, v in by_device.items()}
     return [None if s is None else next(values[s.device]) for s in sums]
 
 
-def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
-    """sum(bits[i] * (2i + 1)) in int64 (which wraps), chunk by chunk: a chunk from `start` adds
-    its own weighted sum plus 2 * start times its plain sum."""
-    weights = torch.arange(min(len(bits), _CHECKSUM_CHUNK), device=bits.device) * 2 + 1
-    total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for start in range(0, len(bits), _CHECKSUM_CHUNK):
-        chunk = bits[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        total += (chunk * weights[: len(chunk)]).sum() + chunk.sum() * (2 * start)
+def _weighted_sum(bits: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """sum(bits[i] * (2i + 1)) in int64 (which wraps), chunk by chunk (`odd` holds 2i + 1 for a
+    chunk): a chunk from `start` adds its own weighted sum plus 2 * start times its plain sum."""
+    total = (bits[:_CHECKSUM_CHUNK] * odd[: min(len(bits), _CHECKSUM_CHUNK)]).sum(dtype=torch.int64)
+    for start in range(_CHECKSUM_CHUNK, len(bits), _CHECKSUM_CHUNK):
+        chunk = bits[start : start + _CHECKSUM_CHUNK]
+        total += (chunk * odd[: len(chunk)]).sum(dtype=torch.int64)
+        total += chunk.sum(dtype=torch.int64) * (2 * start)
     return total
 
 
