@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ._state.ema_state import commit_loads
-from .checkpoint import LoadResult, is_value, read_source
+from ._state.files import read_source
+from .checkpoint import LoadResult, is_value
 from .ema import ModelEma
 from .errors import CheckpointError
 
