@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from ._state.ema_state import commit_loads
-from ._state.files import read_source
-from .checkpoint import LoadResult, is_value
+from .checkpoint import LoadResult, is_value, read_source
 from .ema import ModelEma
 from .errors import CheckpointError
 

@@ -1,13 +1,17 @@
 """Reading EMA checkpoints: fused_ema's own format and those of the EMA libraries people migrate
 from (each format and what it is recognised by: docs/checkpoints.md), so a switch to fused_ema
-keeps the average a run has built up; then checking one against an EMA and converting it whole
-before anything is written. Files and folders are read and written by _state/files.py."""
+keeps the average a run has built up. atomic_write is the crash-safe write of every file fused_ema
+writes (snapshots, the posthoc command's output, ema.pt)."""
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -16,14 +20,11 @@ from ._dist import zero3
 from ._dist.dtensor import is_dtensor, local
 from ._model.name_filters import check_name_patterns
 from ._model.walk import clean_name, strip_checkpoint_prefixes
-from ._state.files import PRETRAINED
 from ._update.schedule import options_from_state, whole_number
 from .errors import CheckpointError
 
 FORMAT = "fused_ema.ModelEma"
 FORMAT_VERSION = 1
-# Saved only by an EMA of ZeRO-3 partitions: the rank and world size they belong to.
-PARTITION = "zero3_partition"
 
 
 @dataclass
@@ -133,7 +134,7 @@ def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
             "step",
             schedule=schedule,
             filters=filters,
-            partition=state.get(PARTITION),
+            partition=state.get("zero3_partition"),
         )
     if isinstance(state.get(PRETRAINED), Mapping):  # read_source's reading of a folder
         folder = state[PRETRAINED]
@@ -179,6 +180,93 @@ def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
         "EMAModel, torch_ema"
     )
     return parsed("unknown")
+
+
+PRETRAINED = "fused_ema: save_pretrained folder"  # read_source's wrapping of a folder
+# The weights of a save_pretrained folder (diffusers, transformers), preferred first.
+_WEIGHT_FILES = (
+    "diffusion_pytorch_model.safetensors",
+    "model.safetensors",
+    "diffusion_pytorch_model.bin",
+    "pytorch_model.bin",
+)
+
+
+def read_source(state, source: str) -> tuple[object, str]:
+    """A load_state_dict argument: a checkpoint as it is, or a path: a file read onto the CPU (the
+    EMA maps tensors to its own devices later), a directory as a save_pretrained folder (diffusers
+    EMAModel.save_pretrained); with the name of where it came from, for errors. A file that
+    cannot be read is a CheckpointError."""
+    if not isinstance(state, (str, os.PathLike)):
+        return state, source
+    path = os.fspath(state)
+    source = f"checkpoint file {path!r}"
+    try:
+        if os.path.isdir(path):
+            return {PRETRAINED: read_pretrained_folder(path)}, source
+        return _read_weights(path), source
+    except Exception as err:
+        raise CheckpointError([f"could not read it: {type(err).__name__}: {err}"], source) from err
+
+
+def _read_weights(path: str) -> dict:
+    """A safetensors file, or torch.load (weights only) of any other."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path, device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_pretrained_folder(path) -> dict:
+    """config.json (where diffusers keeps the EMA's optimization_step) and the weights of a
+    save_pretrained folder, whole or sharded (an *.index.json naming the shards)."""
+    files = sorted(os.listdir(path))
+    config = {}
+    if "config.json" in files:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("config.json does not hold a JSON object")
+    for name in _WEIGHT_FILES:
+        if f"{name}.index.json" in files:
+            with open(os.path.join(path, f"{name}.index.json")) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        elif name in files:
+            shards = [name]
+        else:
+            continue
+        parts = [_read_weights(os.path.join(path, shard)) for shard in shards]
+        return {"config": config, "weights": {k: v for part in parts for k, v in part.items()}}
+    raise FileNotFoundError(
+        f"no weights in the folder: expected one of {', '.join(_WEIGHT_FILES)} (or its "
+        f"sharded .index.json), found {', '.join(files) or 'nothing'}"
+    )
+
+
+def atomic_write(path, write) -> None:
+    """`write(temporary)` to a temporary file beside `path` (".{name}.tmp-..."), fsync'd, then
+    os.replace'd onto `path` and the folder fsync'd: `path` is either absent, its old self, or
+    complete. On an exception the temporary file is removed."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write(str(temporary))
+        _fsync(temporary, os.O_RDWR)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # (Windows cannot open a folder to sync it)
+        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------- loading into an EMA
@@ -268,7 +356,7 @@ def _partition_problems(saved, here: dict | None) -> list[str]:
         return []
     fields = isinstance(saved, Mapping) and set(saved) == {"rank", "world"}
     if not fields or not all(type(v) is int for v in saved.values()):
-        return [f"'{PARTITION}' should be {{'rank': int, 'world': int}}, got {saved!r}"]
+        return [f"'zero3_partition' should be {{'rank': int, 'world': int}}, got {saved!r}"]
     if here is None or saved == here:
         return []
     return [

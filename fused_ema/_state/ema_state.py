@@ -16,22 +16,16 @@ from .._dist import zero3
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._model.walk import PARAM, named_tensors
 from .._update.schedule import rounding_from_state
-from ..checkpoint import (
-    FORMAT,
-    FORMAT_VERSION,
-    PARTITION,
-    LoadResult,
-    is_value,
-    prepare_load,
-)
+from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, is_value, prepare_load, read_source
 from ..errors import CheckpointError, PrecisionWarning
-from .files import read_source
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Inside a parent's state dict: {prefix}weights.{name}, {prefix}step, and these settings in its
 # _metadata[prefix] under "fused_ema".
 WEIGHTS, STEP, META_KEY = "weights.", "step", "fused_ema"
 _NESTED_SETTINGS = ("format", "format_version", "schedule", "rounding", "buffers")
+# Saved only by an EMA of ZeRO-3 partitions: the rank and world size they belong to.
+PARTITION = "zero3_partition"
 
 
 def rounding_seed(rounding: dict):

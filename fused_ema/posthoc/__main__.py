@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .._state.files import atomic_write
+from ..checkpoint import atomic_write
 from .snapshots import SnapshotError
 from .synthesis import Synthesis, solve_coefficients, synthesize
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .._ext.worker import SNAPSHOTS, Dropped, Job
-from .._state.files import atomic_write
+from ..checkpoint import atomic_write
 from .profiles import gamma_to_sigma_rel
 
 FORMAT = "fused_ema.posthoc/1"
@@ -129,8 +129,8 @@ def save_snapshot(
 
 
 def write_snapshot(path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """Writes one snapshot file crash-safely (atomic_write: the temporary file is a dot name that no
-    reader lists). `metadata` is checked first as a reader checks it
+    """Writes one snapshot file crash-safely (checkpoint.atomic_write: the temporary file is a dot
+    name that no reader lists). `metadata` is checked first as a reader checks it
     (snapshot_metadata builds it): against the file's name and `tensors`."""
     from safetensors.torch import save_file
 
