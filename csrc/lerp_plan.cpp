@@ -315,7 +315,29 @@ class Planner {
   Scratch<c10::TensorImpl*, 0> bumped_;
 };
 
+// How many bytes t addresses beyond the end of its storage (0 when it has none to check).
+int64_t missing_bytes(const at::Tensor& t) {
+  if (t.numel() == 0 || !t.has_storage()) {
+    return 0;
+  }
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  const auto needed = (last + 1) * static_cast<int64_t>(t.itemsize());
+  const auto held = static_cast<int64_t>(t.storage().nbytes());
+  return needed > held ? needed - held : 0;
+}
+
 }  // namespace
+
+void check_storage(const at::Tensor& t, const char* op, const std::string& name) {
+  const int64_t missing = missing_bytes(t);
+  TORCH_CHECK_VALUE(missing == 0, op, name, "'s storage holds ", t.storage().nbytes(),
+                    " bytes but its elements need ", t.storage().nbytes() + missing,
+                    " (was it freed, e.g. by untyped_storage().resize_(0)?); give it back its "
+                    "memory first");
+}
 
 void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairNames& names) {
   const char* op = names.op;
@@ -342,6 +364,10 @@ void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairN
                     "; supported (ema, src) pairs: ", supported_pairs_text());
   TORCH_CHECK_VALUE(same_shape(e.sizes(), s.sizes()), op, src(), " has shape ", s.sizes(), " but ",
                     ema(), " has shape ", e.sizes());
+  if (missing_bytes(e) != 0 || missing_bytes(s) != 0) {  // the names only made when refused
+    check_storage(e, op, ema());
+    check_storage(s, op, src());
+  }
   TORCH_CHECK(e.is_contiguous() || !has_stride0_dim(e), op, ema(),
               " has internally overlapping memory (an expand()ed or stride-0 view) and cannot "
               "be updated in place");

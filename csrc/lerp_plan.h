@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -101,8 +102,14 @@ struct PairNames {
   const char* const* track_names = nullptr;  // one name per track, or emas[k]
 };
 
+// Refuses `t` (named `name` after `op`) unless its storage holds every element it addresses: one
+// freed (untyped_storage().resize_(0), as FSDP frees unsharded parameters) would be read and
+// written out of bounds, as torch's own ops do.
+void check_storage(const at::Tensor& t, const char* op, const std::string& name);
+
 // The checks of one (ema, src) pair, pair `i` as `names` names it: defined, one device, strided,
-// a supported dtype pair, one shape, no internal overlap, no autograd. Metadata only.
+// a supported dtype pair, one shape, storage for every element, no internal overlap, no autograd.
+// Metadata only.
 void check_pair(const at::Tensor& e, const at::Tensor& s, int64_t i, const PairNames& names);
 
 // Checks the (ema, src) pairs of a call and flattens them into per-device plans, one per device in

@@ -8,6 +8,7 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <cstring>
+#include <string>
 
 #include "fused_op.h"
 #include "grad_mode.h"
@@ -158,6 +159,8 @@ void PreparedUpdate::plan() {
       TORCH_CHECK_VALUE(copies->dst[i].sizes() == copies->src[i].sizes(), kPreparedOp,
                         "copies: source ", i, " has shape ", copies->src[i].sizes(),
                         " but its target has ", copies->dst[i].sizes());
+      check_storage(copies->dst[i], kPreparedOp, "copies: target " + std::to_string(i));
+      check_storage(copies->src[i], kPreparedOp, "copies: source " + std::to_string(i));
       watched_.push_back(&copies->dst[i]);
       watched_.push_back(&copies->src[i]);
     }

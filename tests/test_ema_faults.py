@@ -316,6 +316,31 @@ def test_integer_buffer_resized_in_place_changes_nothing():
     assert_same_state(ema, before)
 
 
+@pytest.mark.parametrize("name", ["0.weight", "1.running_mean", "1.num_batches_tracked"])
+def test_a_model_tensor_whose_memory_was_freed_is_refused_and_changes_nothing(name):
+    """resize_(0), as FSDP frees a parameter: a clear error instead of reading freed memory; once
+    the memory is back the next update averages it."""
+    model, ema = moved_ema()
+    before = state_of(ema)
+    tensor = model.get_parameter(name) if "weight" in name else model.get_buffer(name)
+    values = tensor.detach().clone()
+    tensor.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"storage holds 0 bytes but its elements need"):
+        ema.update(model)
+    assert_same_state(ema, before)
+    tensor.untyped_storage().resize_(values.nbytes)
+    with torch.no_grad():
+        tensor.copy_(values)
+    weights = before[0]
+    ema.update(model)
+    got = ema.state_dict()["weights"]
+    if values.is_floating_point():  # averaged at the decay the failed update left: 0.5
+        expected = weights[name].double().lerp(values.double(), 0.5).float()
+        torch.testing.assert_close(got[name], expected, rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(got[name], values)
+
+
 @pytest.mark.parametrize("delay_ms", [0.2, 1, 3, 8, 20, 50])
 def test_an_interrupt_during_an_update_is_all_or_nothing(delay_ms):
     if threading.current_thread() is not threading.main_thread():

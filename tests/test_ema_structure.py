@@ -284,6 +284,38 @@ def test_a_tensor_whose_values_change_kind_is_a_change_not_a_lossy_cast():
     assert torch.equal(after["stem.weight"], 0.5 * (before["stem.weight"] + model.stem.weight))
 
 
+def test_a_swapping_conversion_is_refused_and_the_documented_carry_over_keeps_the_average():
+    """docs/devices-dtypes.md's known limit: swap_tensors refuses the EMA's model; state_dict,
+    del, convert, a new EMA and load_state_dict carry the average over, converted."""
+    torch.manual_seed(0)
+    model = trained(small_mlp(), 2)
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    trained(model, 1, seed=1)
+    ema.update(model)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match="swap"):
+            model.to(torch.float64)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        sd = ema.state_dict()
+        del ema
+        model.to(torch.float64)
+        ema = fused_ema.ModelEma(model, decay=0.5)
+        ema.load_state_dict(sd)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    assert ema.step == 2
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, before[name].to(value.dtype)), name
+    source = dict(model.named_parameters())["0.weight"].detach().clone()
+    ema.update(model)
+    expected = before["0.weight"].double().lerp(source, 0.5)
+    torch.testing.assert_close(ema.state_dict()["weights"]["0.weight"], expected)
+
+
 def test_swapped_puts_ema_in_place_and_restores_after_an_exception():
     torch.manual_seed(4)
     model = trained(small_mlp(), 3)

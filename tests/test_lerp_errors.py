@@ -146,6 +146,44 @@ def test_src_overlapping_another_ema(lerp, device):
     assert_rejected(lerp, ema, src, 0.5, RuntimeError, r"src\[3\] shares memory with ema\[1\]")
 
 
+@pytest.mark.parametrize("keep", [0, 100])
+def test_a_source_whose_storage_was_freed_or_shrunk_is_refused(lerp, device, keep):
+    """resize_(0) is how FSDP frees a parameter's memory; torch's own ops read out of bounds."""
+    ema, src = good_lists(device)
+    src[1].untyped_storage().resize_(keep)
+    match = rf"src\[1\]'s storage holds {keep} bytes but its elements need 1028 \(was it freed"
+    assert_rejected(lerp, ema, src, 0.5, ValueError, match)
+
+
+def test_an_ema_whose_storage_was_freed_is_refused_and_the_others_keep_their_values(lerp, device):
+    ema, src = good_lists(device)
+    view = torch.randn(300, device=device)[44:]  # its elements end at byte 1200 of its storage
+    ema[3], src[3] = view, torch.randn(256, device=device)
+    kept = [e.clone() for e in ema[:2]]
+    view.untyped_storage().resize_(1196)
+    with pytest.raises(
+        ValueError, match=r"ema\[3\]'s storage holds 1196 bytes but its elements need 1200"
+    ):
+        lerp(ema, src, 0.5)
+    ema[2].untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"ema\[2\]'s storage holds 0 bytes"):
+        lerp(ema, src, 0.5)
+    assert all(torch.equal(e, k) for e, k in zip(ema[:2], kept))
+
+
+def test_lerp_many_and_bema_name_the_freed_tensor(device):
+    emas = [[torch.randn(64, device=device) for _ in range(3)] for _ in range(2)]
+    src = [torch.randn(64, device=device) for _ in range(3)]
+    emas[1][2].untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"fused_ema.lerp_many_: emas\[1\]\[2\]'s storage"):
+        fused_ema.lerp_many_(emas, src, [0.1, 0.01])
+    theta0 = [torch.randn(64, device=device) for _ in range(3)]
+    out = [torch.randn(64, device=device) for _ in range(3)]
+    theta0[0].untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match=r"fused_ema.bema_: theta0\[0\]'s storage holds 0"):
+        fused_ema.bema_(emas[0], theta0, out, src, (0.1, 0.5, 0.25))
+
+
 def test_expanded_ema_has_internal_overlap(lerp, device):
     ema, src = good_lists(device)
     ema[2] = torch.randn(1, device=device).expand(257)
