@@ -352,6 +352,7 @@ void run_fused_call(const FusedCall& call, const std::vector<DevicePlan>& plans)
   }
   const TrackIndex at(call.tensors);
   for (const DevicePlan& whole : plans) {
+    whole.refill();
     const FusedRunner runner = runners()[static_cast<size_t>(whole.device.type())];
     if (!some_zero || call.bema()) {  // bema_'s kernels leave the lists of a zero weight alone
       runner(whole, call);

@@ -103,13 +103,16 @@ void add_stand_in_pair(DevicePlan& plan, const at::Tensor& e, const at::Tensor& 
   if (row_major ? e.is_contiguous() : e.is_non_overlapping_and_dense()) {
     // A permuted but dense ema is updated where it lies; src is laid out to match it.
     at::Tensor matched = at::empty_strided(e.sizes(), e.strides(), s.options());
-    matched.copy_(s);
     plan.pairs.push_back({e.mutable_data_ptr(), matched.const_data_ptr(), n, kind, index});
+    plan.refills.emplace_back(matched, s);
     plan.stand_ins.push_back(std::move(matched));
   } else {
     // An ema with gaps (a strided slice): compute in a dense copy, then write it back.
     at::Tensor dense_ema = e.contiguous();
-    at::Tensor dense_src = s.contiguous();
+    at::Tensor dense_src = s.is_contiguous() ? s : at::empty(s.sizes(), s.options());
+    if (!s.is_contiguous()) {
+      plan.refills.emplace_back(dense_src, s);
+    }
     plan.pairs.push_back(
         {dense_ema.mutable_data_ptr(), dense_src.const_data_ptr(), n, kind, index});
     plan.write_backs.emplace_back(e, dense_ema);
@@ -383,6 +386,12 @@ DevicePlan::~DevicePlan() {
   if (pairs.capacity() > spare_pairs().capacity()) {
     pairs.clear();
     spare_pairs().swap(pairs);
+  }
+}
+
+void DevicePlan::refill() const {
+  for (const auto& [stand_in, src] : refills) {
+    stand_in.copy_(src);
   }
 }
 

@@ -51,8 +51,13 @@ struct DevicePlan {
   c10::Device device;
   std::vector<FlatPair> pairs;
   std::vector<at::Tensor> stand_ins;
+  // (stand-in, src): a src laid out as its ema, copied when the plan runs, not when it is made: a
+  // prepared update plans before it copies its staged sources into place.
+  std::vector<std::pair<at::Tensor, at::Tensor>> refills;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_backs;
 
+  // Call before the kernels of this plan are issued.
+  void refill() const;
   // Call after the kernels of this plan have been issued (stream order covers CUDA).
   void write_back() const;
 };

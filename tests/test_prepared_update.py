@@ -358,3 +358,43 @@ def test_staged_sources_are_copied_and_averaged_by_the_prepared_update(every):
     for name, value in ref.items():
         if value.is_floating_point():
             torch.testing.assert_close(weights[name].double(), value, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layout, model_dtype, ema_dtype",
+    [
+        ("transposed", torch.float32, torch.float64),
+        ("channels_last", torch.float64, torch.float32),
+        ("transposed", torch.bfloat16, torch.float16),
+        ("channels_last", torch.float16, torch.bfloat16),
+    ],
+)
+def test_staged_sources_laid_out_unlike_their_staging_are_read_as_they_are_now(
+    layout, model_dtype, ema_dtype
+):
+    """A staged source whose EMA is permuted (a transposed or channels_last weight) is laid out as
+    its EMA in a stand-in: filled when the update runs, after the staging copy, not when it is
+    planned (which read the staging buffer of the step before, or uninitialised memory)."""
+    g = torch.Generator().manual_seed(5)
+    model = nn.Module()
+    if layout == "transposed":
+        model.w = nn.Parameter(torch.randn(6, 5, generator=g).to(model_dtype).t())
+    else:
+        weight = torch.randn(4, 3, 5, 5, generator=g).to(model_dtype)
+        model.w = nn.Parameter(weight.to(memory_format=torch.channels_last))
+    model.b = nn.Parameter(torch.randn(7, generator=g).to(model_dtype))
+    ema = fused_ema.ModelEma(model, decay=DECAY, dtype=ema_dtype)
+    assert not ema.module.w.is_contiguous()
+    ref, atol = None, 1e-6 if ema_dtype in (torch.float32, torch.float64) else 0.05
+    for _ in range(4):
+        ema.update(model)
+        values = {k: v.detach().double() for k, v in model.state_dict().items()}
+        if ref is None:
+            ref = {k: v.to(ema_dtype).double() for k, v in values.items()}
+        else:
+            ref = {k: r + (1 - DECAY) * (values[k] - r) for k, r in ref.items()}
+        weights = ema.state_dict()["weights"]
+        for name, value in ref.items():
+            torch.testing.assert_close(weights[name].double(), value, rtol=0.01, atol=atol)
+        perturb(model, g)
+    assert ema._updater.prepared is not None

@@ -27,6 +27,23 @@ def _int64(step) -> bool:
     return type(step) is int and -(2**63) <= step < 2**63
 
 
+def _freed(model) -> str:
+    """The model's tensors whose storage no longer holds their elements (freed, e.g. by
+    untyped_storage().resize_(0)), as the error names them; empty when none is."""
+    found = []
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.numel() == 0:
+            continue
+        end = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        held, needed = t.untyped_storage().nbytes(), end * t.element_size()
+        if held < needed:
+            found.append(
+                f"{name} has no memory for its elements (its storage holds {held} of the "
+                f"{needed} bytes they need: freed, e.g. by untyped_storage().resize_(0)?)"
+            )
+    return ", ".join(found)
+
+
 class _Declined(Exception):
     """A prepared update found a tensor no longer what it was planned for, and changed nothing."""
 
@@ -105,9 +122,17 @@ class Updater:
             # trusted: the present plans' prepared update runs, and checks every tensor itself
             trusted = blocking and self._current() is not None
             try:
-                done = without_grad(self._update, *args, trusted)
-            except _Declined:  # checked in Python now: a tensor changed, or only where it lives
-                done = without_grad(self._update, *args, False)
+                try:
+                    done = without_grad(self._update, *args, trusted)
+                except _Declined:  # checked in Python now: a tensor changed, or only where it lives
+                    done = without_grad(self._update, *args, False)
+            except ValueError as error:  # the ops name a freed tensor by its index: name it
+                freed = _freed(model)
+                if freed:
+                    raise ValueError(
+                        f"fused_ema: the model's {freed}; nothing was changed"
+                    ) from error
+                raise
             if done:
                 self._end(commit=True)
         finally:
