@@ -514,7 +514,9 @@ def test_stats_report_distance_window_and_non_finite():
     with torch.no_grad():
         model[0].weight[0, 0] = math.nan
     ema.update(model)
-    assert ema.stats(model)["ema_nan"] == 1 and ema.stats(model)["model_nan"] == 1
+    stats = ema.stats(model)
+    assert stats["ema_nan"] == 1 and stats["model_nan"] == 1
+    assert math.isnan(stats["relative_distance"])  # the NaN propagates, never reads as 0
 
 
 @pytest.mark.parametrize(("every", "how"), [(1, "compensated"), (20, "compensated"), (20, "plain")])

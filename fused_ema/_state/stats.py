@@ -36,9 +36,19 @@ def ema_stats(
     stats["model_nan"] = sum(
         int(local(t.tensor).isnan().sum()) for t in current.values() if t.tensor.is_floating_point()
     )
-    stats["relative_distance"] = math.sqrt(diff2 / ref2) if ref2 > 0 else 0.0
+    stats["relative_distance"] = _relative(diff2, ref2)
     stats["unchanged_fraction"] = unchanged / total if total else 0.0
     return stats
+
+
+def _relative(diff2: float, ref2: float) -> float:
+    """sqrt(diff2 / ref2): NaN where a NaN or infinity made either NaN (never masked as 0), 0 for
+    an EMA equal to an all-zero model and inf for one that is not."""
+    if math.isnan(diff2) or math.isnan(ref2) or math.isinf(ref2):
+        return math.nan
+    if ref2 == 0:
+        return 0.0 if diff2 == 0 else math.inf
+    return math.sqrt(diff2 / ref2)
 
 
 def _compared(averaged, current: dict, weight: float) -> tuple:
