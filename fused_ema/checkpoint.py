@@ -19,7 +19,7 @@ import torch
 from ._dist import zero3
 from ._dist.dtensor import is_dtensor, local
 from ._model.name_filters import check_name_patterns
-from ._model.walk import clean_name, strip_checkpoint_prefixes
+from ._model.walk import checkpoint_prefix_levels
 from ._update.schedule import options_from_state, whole_number
 from .errors import CheckpointError
 
@@ -62,8 +62,8 @@ def _as_step(value, key: str, problems: list[str]) -> int | None:
 
 
 def _by_name(state: Mapping, drop_prefix: str = "", known=None) -> dict[str, object]:
-    """A model state dict's tensors by name, without a prefix every key carries (module.,
-    _orig_mod.) unless the names as written match more of the EMA's `known` names (a model
+    """A model state dict's tensors by name, without the prefixes every key carries (module.,
+    _orig_mod.) except those whose removal matches fewer of the EMA's `known` names (a model
     whose one child is called `module`), and without torch's `_extra_state` entries (a
     module's own state, not a tensor an EMA averages)."""
     items = {
@@ -71,11 +71,12 @@ def _by_name(state: Mapping, drop_prefix: str = "", known=None) -> dict[str, obj
         for k, v in state.items()
         if _starts(k, drop_prefix) and not _is_extra_state(k)
     }
-    names = strip_checkpoint_prefixes(items)
+    levels = checkpoint_prefix_levels(items)
+    names = levels[-1]  # every shared prefix gone, unless fewer removed match more names
     if known is not None:
-        written = {k: clean_name(k) for k in items}
-        if sum(n in known for n in written.values()) > sum(n in known for n in names.values()):
-            names = written
+        for level in reversed(levels[:-1]):
+            if sum(n in known for n in level.values()) > sum(n in known for n in names.values()):
+                names = level
     # A key that is no name (an int...) stays as it is, to be reported as not in the EMA.
     others = {} if drop_prefix else {k: v for k, v in state.items() if not isinstance(k, str)}
     return {names[k]: v for k, v in items.items()} | others
@@ -312,7 +313,46 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
         return f"{name}: shape {list(tensor.shape)} does not match the EMA's {list(ema.shape)}"
     if tensor.is_floating_point() != ema.is_floating_point() or tensor.is_complex():
         return f"{name}: dtype {tensor.dtype} cannot be stored in the EMA's {ema.dtype}"
-    return None
+    return _storage_problem(name, local(tensor)) or _range_problem(name, local(tensor), ema)
+
+
+def _storage_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """A tensor whose storage is smaller than its elements reach (freed by resize_(0), as FSDP
+    and ZeRO-3 do to a parameter outside its gather): reading it would crash the process."""
+    if tensor.numel() == 0:
+        return None
+    try:
+        have = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a subclass without a storage: nothing to check
+        return None
+    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    need = (tensor.storage_offset() + reach + 1) * tensor.element_size()
+    if have >= need:
+        return None
+    return (
+        f"{name}: its storage holds {have} of the {need} bytes its elements need (freed? FSDP "
+        "and ZeRO-3 free a parameter's storage outside its gather)"
+    )
+
+
+def _range_problem(name: str, tensor: torch.Tensor, ema: torch.Tensor) -> str | None:
+    """Integer values that the EMA's integer dtype cannot hold (the copy would wrap them)."""
+    if ema.is_floating_point() or tensor.dtype == ema.dtype or tensor.numel() == 0:
+        return None
+    if ema.dtype == torch.bool:
+        low, high = 0, 1
+    else:
+        low, high = torch.iinfo(ema.dtype).min, torch.iinfo(ema.dtype).max
+    values = tensor.detach()
+    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # no min/max of their own
+        values = values.long()  # (a uint64 past 2**63 reads negative: still refused if unsigned)
+    least, most = int(values.min().item()), int(values.max().item())
+    if low <= least and most <= high:
+        return None
+    return (
+        f"{name}: values in [{least}, {most}] do not fit the EMA's {ema.dtype} (range [{low}, "
+        f"{high}]): the copy would wrap them"
+    )
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -327,8 +367,11 @@ def _converted(entry, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device=local(entry.ema).device, dtype=entry.ema.dtype)
 
 
-def _filter_problems(saved, policy) -> list[str]:
-    """A fused_ema checkpoint saved with other name filters than this EMA's."""
+def filter_problems(
+    saved, policy, remedy: str = "strict=False loads the tensors the two share"
+) -> list[str]:
+    """A fused_ema checkpoint saved with other name filters than this EMA's (a list of one
+    problem, ending in `remedy` when there is one)."""
     if saved is None:
         return []
     mine = policy.filters()
@@ -343,8 +386,8 @@ def _filter_problems(saved, policy) -> list[str]:
     return [
         f"saved with copy_names={list(saved['copy_names'])}, "
         f"ignore_names={list(saved['ignore_names'])}; this EMA has "
-        f"copy_names={mine['copy_names']}, ignore_names={mine['ignore_names']} "
-        "(strict=False loads the tensors the two share)"
+        f"copy_names={mine['copy_names']}, ignore_names={mine['ignore_names']}"
+        + (f" ({remedy})" if remedy else "")
     ]
 
 
@@ -446,7 +489,13 @@ def prepare_load(
     unexpected = [k for k in weights if k not in table.by_name]
     listed = fatal + problems
     if strict:
-        listed += _filter_problems(parsed.filters, policy)
+        listed += filter_problems(parsed.filters, policy)
+        if parsed.format == "fused_ema" and step is None and state.get("step") is None:
+            # fused_ema always saves its step: without it the EMA would silently restart.
+            listed.append(
+                "'step' is missing (fused_ema saves it; strict=False loads without it, as started, "
+                "or pass step=N)"
+            )
         listed += [f"missing from the checkpoint: {k}" for k in missing]
         listed += [f"not in this EMA: {k}" for k in unexpected]
     if fatal or (strict and listed):

@@ -442,3 +442,119 @@ def test_diffusers_ema_model_layout():
     assert_weights_equal(target, dict(zip(names, shadow)))
     state["shadow_params"] = shadow[:-1]
     rejected(target, state, "it holds 5 parameters in order but the model has 6")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tensor_whose_memory_was_freed_is_refused(dtype):
+    """A checkpoint tensor whose storage was freed (resize_(0), as FSDP and ZeRO-3 do outside a
+    gather) once crashed the process in the copy; now it is named before anything is written."""
+    _, ema = trained_pair(seed=3)
+    state = {
+        k: v.to(dtype) if v.is_floating_point() else v.clone() for k, v in frozen(ema)[0].items()
+    }
+    state["0.weight"].untyped_storage().resize_(0)
+    need = 6 * 16 * dtype.itemsize
+    rejected(ema, state, f"0.weight: its storage holds 0 of the {need} bytes")
+
+
+class _IntegerBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("count", torch.tensor(5, dtype=torch.int32))
+        self.register_buffer("codes", torch.tensor([1, 2], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("count", torch.tensor(2**32 + 7), "count: values in [4294967303, 4294967303] do not fit"),
+        (
+            "codes",
+            torch.tensor([-1, 7]),
+            "codes: values in [-1, 7] do not fit the EMA's torch.uint8",
+        ),
+        ("codes", torch.tensor([3, 300]), "range [0, 255]"),
+    ],
+)
+def test_integer_values_that_do_not_fit_the_emas_dtype_are_refused(name, value, message):
+    torch.manual_seed(4)
+    model = _IntegerBuffers()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    with torch.no_grad():
+        model.lin.weight.add_(torch.randn(2, 2))
+        model.count.fill_(9)
+        model.codes.copy_(torch.tensor([200, 17]))
+    ema.update(model, step=1)
+    state = ema.state_dict()
+    state["weights"] = {k: v.clone() for k, v in state["weights"].items()}
+    state["weights"][name] = value
+    rejected(ema, state, message)
+    # Values that fit load, from another integer dtype or the EMA's own.
+    state["weights"]["count"] = torch.tensor(-(2**31))
+    state["weights"]["codes"] = torch.tensor([0, 255], dtype=torch.int16)
+    ema.load_state_dict(state)
+    assert ema.module.count.item() == -(2**31) and ema.module.codes.tolist() == [0, 255]
+
+
+def test_a_fused_ema_checkpoint_without_its_step_is_refused_when_strict():
+    """fused_ema always saves its step: without it a strict load would restart the EMA silently."""
+    _, ema = trained_pair(seed=5)
+    state = ema.state_dict()
+    for damage in ("deleted", None):
+        if damage is None:
+            state["step"] = None
+        else:
+            del state["step"]
+        rejected(ema, state, "'step' is missing")
+    fresh = trained_pair(seed=8)[1]
+    assert fresh.load_state_dict(state, step=4).missing_keys == [] and fresh.step == 4
+    fresh.load_state_dict(state, strict=False)  # the documented fallback: loads as started
+    assert fresh.step == fresh.schedule["update_after_step"] + 1
+
+
+def test_a_child_called_module_under_one_wrapper_prefix():
+    """Exactly the wrapper's prefix goes: torch.compile's `_orig_mod.` or DDP's `module.` in
+    front of a model whose one child is called `module` (every repeated prefix once went)."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = small_mlp()
+
+    torch.manual_seed(9)
+    model = Wrapper()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update(model, step=1)
+    expected = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    for prefix in ("_orig_mod.", "module.", "module._orig_mod."):
+        target = fused_ema.ModelEma(Wrapper())
+        result = target.load_state_dict({prefix + k: v for k, v in expected.items()})
+        assert result.missing_keys == [] and result.unexpected_keys == [], prefix
+        assert_weights_equal(target, expected)
+
+
+def test_a_parents_load_refuses_other_name_filters_as_a_flat_load_does():
+    net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+
+    class WithEma(nn.Module):
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.net = net
+            self.ema = fused_ema.ModelEma(net, decay=0.9, **kwargs)
+
+    torch.manual_seed(10)
+    saved, loaded = WithEma(copy_names=["0.*"]), WithEma()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p))
+    saved.ema.update(net, step=3)
+    rejected(loaded.ema, saved.ema.state_dict(), "saved with copy_names=['0.*']")
+    before = frozen(loaded.ema)
+    with pytest.raises(RuntimeError, match=r"ema: saved with copy_names=\['0\.\*'\]"):
+        loaded.load_state_dict(saved.state_dict())
+    assert_untouched(loaded.ema, before)
+    loaded.load_state_dict(WithEma(copy_names=[]).state_dict())  # the same filters load

@@ -291,3 +291,27 @@ def test_a_posthoc_checkpoint_whose_gammas_differ_in_the_last_bits_loads():
     fresh = PostHocEma(model, (0.05, 0.1))
     fresh.load_state_dict(state)
     assert [t.step for t in fresh.emas] == [3, 3]
+
+
+class RefusesCopy(torch.Tensor):
+    """A tensor subclass whose copy raises: the load's one copy call fails, writing nothing."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if "copy" in getattr(func, "__name__", ""):
+            raise RuntimeError(f"RefusesCopy refuses {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_load_whose_copy_fails_leaves_the_settings_as_they_were():
+    """The settings (schedule options) are applied only once the tensors have landed: they once
+    took the checkpoint's decay while the schedule's config tensor kept the old one."""
+    model, checkpoint, target = source_and_target()
+    checkpoint["weights"]["0.weight"] = torch.randn(16, 6).as_subclass(RefusesCopy)
+    before, step, schedule = weights(target), target.step, target.schedule
+    assert checkpoint["schedule"] != schedule
+    with pytest.raises(RuntimeError, match="RefusesCopy refuses"):
+        target.load_state_dict(checkpoint)
+    assert target.step == step and target.schedule == schedule
+    assert all(torch.equal(weights(target)[k], v) for k, v in before.items())
+    target.update(trained(model, 1, seed=77))  # still usable

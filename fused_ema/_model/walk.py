@@ -66,17 +66,22 @@ def clean_name(name: str) -> str:
     return _WRAPPER_COMPONENT.sub(r"\1", name)
 
 
-def strip_checkpoint_prefixes(names) -> dict[str, str]:
-    """Maps each checkpoint key to its name without a prefix that *every* key carries."""
+def checkpoint_prefix_levels(names) -> list[dict[str, str]]:
+    """Each checkpoint key's name as written, then with one more wrapper prefix that every key
+    carries removed at each level (DDP over torch.compile: `module._orig_mod.`): a model whose
+    own child is called `module` keeps that component, so the caller picks the level."""
     mapping = {name: clean_name(name) for name in names}
-    changed = True
-    while changed and mapping:
-        changed = False
-        for prefix in _CHECKPOINT_PREFIXES:
-            if all(stripped.startswith(prefix) for stripped in mapping.values()):
-                mapping = {key: stripped[len(prefix) :] for key, stripped in mapping.items()}
-                changed = True
-    return mapping
+    levels = [mapping]
+    while mapping:
+        prefix = next(
+            (p for p in _CHECKPOINT_PREFIXES if all(n.startswith(p) for n in mapping.values())),
+            None,
+        )
+        if prefix is None:
+            break
+        mapping = {key: stripped[len(prefix) :] for key, stripped in mapping.items()}
+        levels.append(mapping)
+    return levels
 
 
 @dataclass

@@ -16,14 +16,22 @@ from .._dist import zero3
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._model.walk import PARAM, named_tensors
 from .._update.schedule import rounding_from_state
-from ..checkpoint import FORMAT, FORMAT_VERSION, LoadResult, is_value, prepare_load, read_source
+from ..checkpoint import (
+    FORMAT,
+    FORMAT_VERSION,
+    LoadResult,
+    filter_problems,
+    is_value,
+    prepare_load,
+    read_source,
+)
 from ..errors import CheckpointError, PrecisionWarning
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Inside a parent's state dict: {prefix}weights.{name}, {prefix}step, and these settings in its
 # _metadata[prefix] under "fused_ema".
 WEIGHTS, STEP, META_KEY = "weights.", "step", "fused_ema"
-_NESTED_SETTINGS = ("format", "format_version", "schedule", "rounding", "buffers")
+_NESTED_SETTINGS = ("format", "format_version", "schedule", "rounding", "buffers", "filters")
 # Saved only by an EMA of ZeRO-3 partitions: the rank and world size they belong to.
 PARTITION = "zero3_partition"
 
@@ -35,10 +43,22 @@ def rounding_seed(rounding: dict):
 
 def commit_loads(writes) -> None:
     """Writes the loads of one or more EMAs (EmaState.load_writes each): every tensor by one copy
-    call (swap.copy_all), then the settings. Once it has begun, an interrupt stops none of it."""
+    call (swap.copy_all), then the settings. Once it has begun, an interrupt stops none of it;
+    a copy that fails (not interrupted) leaves the settings as they were."""
     pairs = unaliased([pair for tensors, _ in writes for pair in tensors])
     check_resharding(pairs)  # the last check: it raises before anything is written
-    finish_all([lambda: copy_all(pairs), *(step for _, after in writes for step in after)])
+    copied = []
+
+    def copy() -> None:
+        copy_all(pairs)
+        copied.append(True)  # (an interrupt before this line runs the copy again)
+
+    def once_copied(step):
+        # finish_all runs every step even after one fails: the settings must not describe
+        # tensors that were not written (new decay options beside the old config tensor).
+        return lambda: step() if copied else None
+
+    finish_all([copy, *(once_copied(step) for _, after in writes for step in after)])
 
 
 class EmaState:
@@ -157,7 +177,7 @@ class EmaState:
         if isinstance(settings, dict):
             own |= {
                 k: settings[k]
-                for k in ("format_version", "schedule", "rounding", PARTITION)
+                for k in ("format_version", "schedule", "rounding", "filters", PARTITION)
                 if k in settings
             }
         elif settings is not None:
@@ -169,12 +189,16 @@ class EmaState:
         except CheckpointError as err:
             errors.extend(f"{prefix[:-1] or 'ModelEma'}: {p}" for p in err.problems)
             return None
+        # What a strict flat load refuses (the parent raises for its errors whatever its strict,
+        # so no strict=False remedy is offered).
+        filters = filter_problems(own.get("filters"), self.binding.policy, remedy="")
+        errors.extend(f"{prefix[:-1] or 'ModelEma'}: {p}" for p in filters)
         result, weights = prepared[0].result, prefix + WEIGHTS
         missing_keys.extend(weights + k for k in result.missing_keys)
         unexpected_keys.extend(weights + k for k in result.unexpected_keys)
         errors.extend(weights + problem for problem in prepared[0].problems)
         found = result.missing_keys or result.unexpected_keys or result.mismatched_keys
-        return None if missing or unexpected or found else prepared
+        return None if missing or unexpected or found or filters else prepared
 
     # ------------------------------------------------------------------ the rounding setting
 
