@@ -30,6 +30,8 @@ class TrackSet(nn.Module):
         self._follow()
 
     def _follow(self) -> None:
+        for track in self._tracks:
+            track._updater.owner = type(self).__name__  # its own update(), setters... raise
         leader = self._tracks[0]._updater
         for track in self._tracks[1:]:
             track._updater.follow(leader, track, self.JOINT)

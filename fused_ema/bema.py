@@ -145,7 +145,7 @@ class Bema(TrackSet):
         """One training step: at step update_after, theta_0 and the EMA become the model; on each
         BEMA step after it, the EMA moves and the corrected weights are formed, reading every
         model tensor once. Other steps only count."""
-        self._tracks[0].update(model, step, non_blocking)
+        self._tracks[0]._update(model, step, non_blocking)  # (update() refuses a track's)
 
     def forward(self, *args, **kwargs):
         return self.corrected(*args, **kwargs)

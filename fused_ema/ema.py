@@ -146,8 +146,13 @@ class ModelEma(TimmAttributes, nn.Module):
     def step(self, value) -> None:
         """Sets the counter (a whole number in [0, MAX_STEP] or an integer tensor, checked like
         update(step=)): the next update without a step is step value + 1."""
+        self._refuse_in_set("ema.step = ...", "set")
         self._ready("step setter")
         self._schedule.load(None, self._schedule.as_value(value))
+
+    def _set_option(self, key: str, value) -> None:
+        self._refuse_in_set(f"ema.{key} = ...", "set")
+        super()._set_option(key, value)
 
     @property
     def current_decay(self) -> float:
@@ -201,6 +206,11 @@ class ModelEma(TimmAttributes, nn.Module):
         worker thread. ema.synchronize() waits for it; so does every read of the EMA. If the
         worker fails, the next call raises its error and the step is as before that update.
         """
+        self._refuse_in_set("update", "update")
+        self._update(model, step, non_blocking)
+
+    def _update(self, model: nn.Module, step, non_blocking: bool) -> None:
+        """update() itself: what a PostHocEma's or Bema's update runs on its leading track."""
         if torch.compiler.is_compiling():
             return self._updater.trace(unwrap_model(model), step, self._key)
         self._updater.update(self, unwrap_model(model), step, non_blocking)
@@ -233,6 +243,7 @@ class ModelEma(TimmAttributes, nn.Module):
         attached. Steps a GradScaler skips (inf/NaN gradients) are not counted. `model` defaults
         to the model the EMA follows (the one of its latest update or resync); both are held
         weakly. One optimizer at a time: a second attach raises until the first is removed."""
+        self._refuse_in_set("attach", "update")
         return attach(self, optimizer, model, non_blocking, self._hooks)
 
     # ------------------------------------------------------------------ nn.Module behaviour
@@ -284,6 +295,26 @@ class ModelEma(TimmAttributes, nn.Module):
         # EMA keeps its own device= and dtype= (device=None follows the model at its next
         # update); only ema.to() and friends move it.
         return self
+
+    def _refuse_in_set(self, what: str, why: str) -> None:
+        """Refuses ema.`what` on a track of a PostHocEma or Bema, before anything changes: the
+        tracks are one object, updated together ("update": by the set's update(), which also
+        writes a PostHocEma's snapshots) with one schedule and step ("set"), and a track moved or
+        configured alone leaves the others behind (the set's checkpoint then cannot be loaded)."""
+        kind = self._updater.owner
+        if kind is None:
+            return
+        if why == "update":
+            raise RuntimeError(
+                f"fused_ema: ema.{what}() on one of a {kind}'s tracks: they update together, "
+                f"by the {kind}'s update(model) (call it after optimizer.step()); nothing was "
+                "changed"
+            )
+        raise RuntimeError(
+            f"fused_ema: {what} on one of a {kind}'s tracks: the tracks share one schedule and "
+            f"step, given by the {kind} (build the {kind} with the schedule wanted, or load its "
+            "checkpoint); nothing was changed"
+        )
 
     def _ready(self, what: str) -> None:
         """Before any use of the EMA: a non_blocking update finished, and not inside swapped()."""

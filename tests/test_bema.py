@@ -266,6 +266,40 @@ def test_a_track_cannot_update_alone():
     assert [t.step for t in bema._tracks] == [1, 1, 1]
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda e, model, opt: e.update(model),
+        lambda e, model, opt: e.attach(opt),
+        lambda e, model, opt: setattr(e, "decay", 0.5),
+        lambda e, model, opt: setattr(e, "min_decay", 0.1),
+        lambda e, model, opt: setattr(e, "update_every", 3),
+        lambda e, model, opt: setattr(e, "update_after_step", 2),
+        lambda e, model, opt: setattr(e, "step", 7),
+    ],
+    ids=["update", "attach", "decay", "min_decay", "update_every", "update_after_step", "step"],
+)
+@pytest.mark.parametrize("part", ["ema", "theta0", "corrected"])
+def test_no_track_updates_attaches_or_changes_its_schedule_alone(change, part):
+    """Each refused up front, naming Bema: an attached track's hook raised after every
+    optimizer step (the model already stepped), a setter put the tracks out of step."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bema = Bema(model, update_freq=1)
+    bema.update(model)
+    before = [{k: v.clone() for k, v in t.state_dict()["weights"].items()} for t in bema._tracks]
+    schedules = [t.schedule for t in bema._tracks]
+    with pytest.raises(RuntimeError, match="one of a Bema's tracks"):
+        change(getattr(bema, part), model, opt)
+    train(model, 2, lambda t: None)  # an attached hook would update (or raise) here
+    assert [t.step for t in bema._tracks] == [1, 1, 1]
+    assert [t.schedule for t in bema._tracks] == schedules
+    for b, track in zip(before, bema._tracks):
+        assert all(torch.equal(v, track.state_dict()["weights"][k]) for k, v in b.items())
+    bema.update(model)
+    Bema(net(), update_freq=1).load_state_dict(bema.state_dict())
+
+
 def test_every_track_follows_a_structure_change_or_refuses_it_whole():
     model = net()
     strict = Bema(model, update_freq=1)

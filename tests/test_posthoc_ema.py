@@ -117,6 +117,77 @@ def test_a_track_cannot_update_alone_and_the_tracks_stay_in_step():
     )
 
 
+def weights_of(tracks) -> list:
+    return [{k: v.clone() for k, v in t.state_dict()["weights"].items()} for t in tracks]
+
+
+def same_weights(before, tracks) -> bool:
+    return all(
+        all(torch.equal(v, t.state_dict()["weights"][k]) for k, v in b.items())
+        for b, t in zip(before, tracks)
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda e, model, opt: e.update(model),
+        lambda e, model, opt: e.attach(opt),
+        lambda e, model, opt: setattr(e, "decay", 0.5),
+        lambda e, model, opt: setattr(e, "min_decay", 0.1),
+        lambda e, model, opt: setattr(e, "update_every", 3),
+        lambda e, model, opt: setattr(e, "update_after_step", 2),
+        lambda e, model, opt: setattr(e, "step", 7),
+    ],
+    ids=["update", "attach", "decay", "min_decay", "update_every", "update_after_step", "step"],
+)
+@pytest.mark.parametrize("k", [0, 1])
+def test_no_track_updates_attaches_or_changes_its_schedule_alone(tmp_path, change, k):
+    """The first track too: its update moved every track but wrote no snapshot, and a setter put
+    the tracks out of step (a checkpoint that no longer loads)."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
+    ph.update(model)
+    before, schedules = weights_of(ph.emas), [e.schedule for e in ph.emas]
+    with pytest.raises(RuntimeError, match="one of a PostHocEma's tracks"):
+        change(ph.emas[k], model, opt)
+    train(model, 2, lambda t: None)  # an attached hook would update (or raise) here
+    assert [e.step for e in ph.emas] == [1, 1]
+    assert [e.schedule for e in ph.emas] == schedules
+    assert same_weights(before, ph.emas)
+    assert not list(tmp_path.iterdir())
+    ph.update(model)  # still one set: the snapshot of update 2
+    PostHocEma(net(), (0.05, 0.1)).load_state_dict(ph.state_dict())
+    ph.close()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+
+@pytest.mark.parametrize("tensor", [False, True], ids=["int", "tensor"])
+def test_a_snapshot_step_that_does_not_grow_is_refused_before_anything_changes(tmp_path, tensor):
+    """update(step=) back at or below the last snapshot's update count, where it would write one,
+    made the folder unusable for synthesis (a step that does not grow)."""
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=4, snapshot_dir=tmp_path)
+    for s in (1, 4, 8):
+        ph.update(model, step=torch.tensor(s) if tensor else s)
+    ph.synchronize()
+    before, files = weights_of(ph.emas), sorted(tmp_path.iterdir())
+    for s in (4, 8):
+        with pytest.raises(ValueError, match="snapshot steps must grow"):
+            ph.update(model, step=torch.tensor(s) if tensor else s)
+        ph.synchronize()
+        assert [e.step for e in ph.emas] == [8, 8] and sorted(tmp_path.iterdir()) == files
+        assert same_weights(before, ph.emas)
+    ph.update(model, step=5)  # a lower step that writes no snapshot is the caller's to give
+    with pytest.raises(ValueError, match="snapshot steps must grow"):
+        ph.save_snapshot()
+    ph.synchronize()
+    assert sorted(tmp_path.iterdir()) == files
+    ph.update(model, step=12)
+    assert ph.synthesize(0.07)  # the folder is still usable
+
+
 def test_snapshots_are_written_every_n_updates_with_their_metadata(tmp_path):
     from safetensors import safe_open
 
@@ -504,16 +575,16 @@ def test_a_write_failing_during_an_update_is_raised_by_the_next_call_not_by_that
     ph = PostHocEma(model, (0.1,), snapshot_every=2, snapshot_dir=tmp_path)
     train(model, 3, lambda t: ph.update(model))
     leader, pending = ph.emas[0], list(ph._snapshots._written)
-    update = leader.update
+    update = leader._update  # what the set's update() runs on its leading track
 
     def failure_lands_meanwhile(*args, **kwargs):
         update(*args, **kwargs)
         release.set()
         pending[0].wait()
 
-    monkeypatch.setattr(leader, "update", failure_lands_meanwhile)
+    monkeypatch.setattr(leader, "_update", failure_lands_meanwhile)
     ph.update(model)  # step 4: its snapshot is taken, the failure waits for the next call
-    monkeypatch.setattr(leader, "update", update)
+    monkeypatch.setattr(leader, "_update", update)
     assert ph.step == 4
     before = ph.emas[0].state_dict()["weights"]["0.weight"].clone()
     with pytest.raises(RuntimeError, match="disk full"):

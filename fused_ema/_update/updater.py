@@ -66,6 +66,9 @@ class Updater:
         self.followers: tuple = ()
         self.joint = "lerp_many"  # how a leader updates its followers (plan.DeviceGroup.joined)
         self.leader = None
+        # The class of the PostHocEma or Bema whose track this EMA is (any track, the leader too),
+        # set by the set: its own update(), attach() and schedule setters raise (ema.py).
+        self.owner: str | None = None
         self.ema_ref = None  # a follower's ModelEma (weakly: it owns this updater)
         self.lock = threading.RLock()  # one update at a time (see update)
         self.prepared = None  # the plan of the latest blocking update, prepared (prepared.py)
@@ -107,8 +110,8 @@ class Updater:
                 track.ready("update")
             if self.leader is not None:
                 raise RuntimeError(
-                    "fused_ema: this EMA is one of a PostHocEma's tracks, which update together: "
-                    "call the PostHocEma's update()"
+                    f"fused_ema: this EMA is one of a {self.owner}'s tracks, which update "
+                    f"together: call the {self.owner}'s update()"
                 )
             step = self.schedule.check_step(step)
             # A step begun by an update that landed whole but was interrupted before it could

@@ -155,7 +155,7 @@ class PostHocEma(TrackSet):
         a snapshot when the update count reaches a multiple of snapshot_every."""
         leader, snapshots = self._tracks[0], self._snapshots
         if torch.compiler.is_compiling():
-            leader.update(model, step, non_blocking)
+            leader._update(model, step, non_blocking)
             if snapshots.folder is not None:
                 self._counted_snapshot()  # a graph break: snapshots run eagerly
             return
@@ -166,11 +166,24 @@ class PostHocEma(TrackSet):
             t = self._t + 1
         elif step is not None and not isinstance(step, torch.Tensor):
             t = whole_number("step", step, 0) - self._update_after_step
+        elif step is not None and snapshots.folder is not None:
+            # Read now (one sync, which the snapshot's count would cost after the update): a
+            # snapshot due at this step is checked below before anything changes.
+            t = leader._schedule.as_value(step) - self._update_after_step
         # Before the update changes anything; an update count known only after it may be due.
+        last = snapshots.last_step
+        if snapshots.due(t) and last is not None and t <= last:
+            # Synthesis reads the snapshots in order of their steps: one that does not grow
+            # past the last one written would make the whole folder unusable.
+            raise ValueError(
+                f"PostHocEma.update: step={step!r} would write a snapshot at update count {t}, "
+                f"not past the last snapshot written (update count {last}): snapshot steps must "
+                "grow; nothing was changed"
+            )
         if snapshots.due(t) or (t is None and snapshots.folder is not None):
             snapshots.check_folder()
         try:
-            leader.update(model, step, non_blocking)
+            leader._update(model, step, non_blocking)
             if t is None and snapshots.folder is not None:
                 self._counted_snapshot()
                 return
@@ -231,6 +244,12 @@ class PostHocEma(TrackSet):
         # the folder unusable: synthesis refuses a step that does not grow.
         if t == snapshots.last_step or (snapshots.last_step is None and snapshots.due(t)):
             return
+        if snapshots.last_step is not None and t < snapshots.last_step:  # (update(step=) lowered)
+            raise ValueError(
+                f"PostHocEma.save_snapshot: the update count {t} is below that of the last "
+                f"snapshot written ({snapshots.last_step}): snapshot steps must grow; nothing "
+                "was written"
+            )
         snapshots.take(self._tracks, self.gammas, t)
 
     def synthesize(self, sigma_rel: float | None = None, *, gamma=None, step=None) -> dict:
