@@ -22,6 +22,7 @@ from ._model.name_filters import check_name_patterns
 from ._model.walk import checkpoint_prefix_levels
 from ._update.schedule import options_from_state, whole_number
 from .errors import CheckpointError
+from .ops import storage_shortfall
 
 FORMAT = "fused_ema.ModelEma"
 FORMAT_VERSION = 1
@@ -319,19 +320,12 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
 def _storage_problem(name: str, tensor: torch.Tensor) -> str | None:
     """A tensor whose storage is smaller than its elements reach (freed by resize_(0), as FSDP
     and ZeRO-3 do to a parameter outside its gather): reading it would crash the process."""
-    if tensor.numel() == 0:
-        return None
-    try:
-        have = tensor.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):  # a subclass without a storage: nothing to check
-        return None
-    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    need = (tensor.storage_offset() + reach + 1) * tensor.element_size()
-    if have >= need:
+    short = storage_shortfall(tensor)
+    if short is None:
         return None
     return (
-        f"{name}: its storage holds {have} of the {need} bytes its elements need (freed? FSDP "
-        "and ZeRO-3 free a parameter's storage outside its gather)"
+        f"{name}: its storage holds {short[0]} of the {short[1]} bytes its elements need (freed? "
+        "FSDP and ZeRO-3 free a parameter's storage outside its gather)"
     )
 
 

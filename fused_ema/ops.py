@@ -306,6 +306,21 @@ def _type(value) -> str:
     return type(value).__name__
 
 
+def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
+    """(bytes held, bytes needed) where `t`'s storage no longer holds every element it addresses
+    (freed by untyped_storage().resize_(0), as FSDP frees parameters, or shrunk); None where it
+    does or has no storage to check. The ops' C++ planner refuses the same (check_storage)."""
+    if t.numel() == 0:
+        return None
+    try:
+        held = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a subclass without a storage of its own
+        return None
+    reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    needed = (t.storage_offset() + reach + 1) * t.element_size()
+    return (held, needed) if held < needed else None
+
+
 def _aligned(op: str, *named: tuple) -> list[list[torch.Tensor]]:
     """The tensor sequences given as (argument name, sequence), src first, as lists, each as
     long as src."""

@@ -16,6 +16,7 @@ from .._ext.grad import without_grad
 from .._ext.loader import _C
 from .._model.swap import Swap, check_writable, finish_all
 from .._model.walk import tensor_walk, walk_agrees
+from ..ops import storage_shortfall
 from . import prepared as prep
 from .nonblocking import AsyncRunner
 from .schedule import whole_number
@@ -28,18 +29,15 @@ def _int64(step) -> bool:
 
 
 def _freed(model) -> str:
-    """The model's tensors whose storage no longer holds their elements (freed, e.g. by
-    untyped_storage().resize_(0)), as the error names them; empty when none is."""
+    """The model's tensors whose storage no longer holds their elements, as the error names
+    them; empty when none is."""
     found = []
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.numel() == 0:
-            continue
-        end = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-        held, needed = t.untyped_storage().nbytes(), end * t.element_size()
-        if held < needed:
+        short = storage_shortfall(t) if type(t) in (torch.Tensor, torch.nn.Parameter) else None
+        if short is not None:
             found.append(
-                f"{name} has no memory for its elements (its storage holds {held} of the "
-                f"{needed} bytes they need: freed, e.g. by untyped_storage().resize_(0)?)"
+                f"{name} has no memory for its elements (its storage holds {short[0]} of the "
+                f"{short[1]} bytes they need: freed, e.g. by untyped_storage().resize_(0)?)"
             )
     return ", ".join(found)
 
