@@ -288,22 +288,29 @@ def test_prefixed_model_state_dicts(prefix):
     assert_weights_equal(target, expected)
 
 
-def test_a_model_whose_child_is_called_module_loads_its_own_state_dict():
-    """`module.` is stripped only where the names as written match fewer of the EMA's names."""
+class _ChildCalledModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module = small_mlp()
 
-    class Wrapper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.module = small_mlp()
 
-    torch.manual_seed(7)
-    model = Wrapper()
+def _child_called_module(seed: int):
+    """The class of a model whose one child is called `module`, and the weights of an EMA of
+    one (moved off its initial values) after one update."""
+    torch.manual_seed(seed)
+    model = _ChildCalledModule()
     ema = fused_ema.ModelEma(model, decay=0.9)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p))
     ema.update(model, step=1)
-    expected = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    return _ChildCalledModule, {k: v.clone() for k, v in ema.module.state_dict().items()}
+
+
+def test_a_model_whose_child_is_called_module_loads_its_own_state_dict():
+    """`module.` is stripped only where the names as written match fewer of the EMA's names."""
+
+    Wrapper, expected = _child_called_module(seed=7)
     assert all(k.startswith("module.") for k in expected)
     for checkpoint in (expected, {"state_dict_ema": expected}):
         target = fused_ema.ModelEma(Wrapper())
@@ -517,19 +524,7 @@ def test_a_child_called_module_under_one_wrapper_prefix():
     """Exactly the wrapper's prefix goes: torch.compile's `_orig_mod.` or DDP's `module.` in
     front of a model whose one child is called `module` (every repeated prefix once went)."""
 
-    class Wrapper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.module = small_mlp()
-
-    torch.manual_seed(9)
-    model = Wrapper()
-    ema = fused_ema.ModelEma(model, decay=0.9)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p))
-    ema.update(model, step=1)
-    expected = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    Wrapper, expected = _child_called_module(seed=9)
     for prefix in ("_orig_mod.", "module.", "module._orig_mod."):
         target = fused_ema.ModelEma(Wrapper())
         result = target.load_state_dict({prefix + k: v for k, v in expected.items()})
