@@ -251,6 +251,26 @@ def test_equals_ema_pytorch():
     assert_same_state(ours, state, exact=False, rtol=2e-6)
 
 
+
+def test_ema_pytorch_beta_one_freezes_as_warmup_none_does():
+    """migrating.md: ema-pytorch's beta=1.0 freezes its EMA after the copying steps; ModelEma
+    with decay 1.0 and warmup=None does the same, bit for bit (a warmup would keep moving)."""
+    ema_pytorch = pytest.importorskip("ema_pytorch")
+    torch.manual_seed(6)
+    model = small_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    every = dict(update_after_step=3, update_every=2)
+    theirs = ema_pytorch.EMA(model, beta=1.0, include_online_model=False, **every)
+    ours = fused_ema.ModelEma(model, 1.0, warmup=None, update_every_decay="plain", **every)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(12):
+        train_step(model, optimizer, g)
+        theirs.update()
+        ours.update(model)
+    state = {k: v for k, v in theirs.ema_model.state_dict().items() if v.is_floating_point()}
+    assert_same_state(ours, state)
+    assert not torch.equal(ours.module.state_dict()["0.weight"], model.state_dict()["0.weight"])
+
 def test_tied_weights_are_averaged_once():
     # timm pairs state_dict entries by position, so a tied weight (listed under two names) is
     # lerped twice per step there. ModelEma averages each distinct tensor once.
