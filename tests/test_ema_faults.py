@@ -341,6 +341,26 @@ def test_a_model_tensor_whose_memory_was_freed_is_refused_and_changes_nothing(na
         assert torch.equal(got[name], values)
 
 
+@pytest.mark.parametrize("name", ["0.weight", "1.running_var"])
+def test_a_model_tensor_sharing_the_emas_memory_is_named_and_changes_nothing(name):
+    """A model tensor made a view of the EMA's own (`.data =`): the ops refuse the aliasing pair
+    by list index; ModelEma names the model's tensor and the EMA's, and changes nothing."""
+    model, ema = moved_ema()
+    before = state_of(ema)
+    kind = "get_parameter" if "weight" in name else "get_buffer"
+    get = getattr(model, kind)
+    own = get(name).data
+    get(name).data = getattr(ema.module, kind)(name).data[:]
+    shared = rf"the model's {name} shares memory with the EMA's {name}"
+    with pytest.raises(ValueError, match=shared):
+        ema.update(model)
+    assert_same_state(ema, before)
+    get(name).data = own
+    ema.update(model)  # averaged again once the model owns its tensor
+    expected = before[0][name].double().lerp(own.double(), 0.5).float()
+    torch.testing.assert_close(ema.state_dict()["weights"][name], expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("delay_ms", [0.2, 1, 3, 8, 20, 50])
 def test_an_interrupt_during_an_update_is_all_or_nothing(delay_ms):
     if threading.current_thread() is not threading.main_thread():

@@ -251,7 +251,6 @@ def test_equals_ema_pytorch():
     assert_same_state(ours, state, exact=False, rtol=2e-6)
 
 
-
 def test_ema_pytorch_beta_one_freezes_as_warmup_none_does():
     """migrating.md: ema-pytorch's beta=1.0 freezes its EMA after the copying steps; ModelEma
     with decay 1.0 and warmup=None does the same, bit for bit (a warmup would keep moving)."""
@@ -270,6 +269,7 @@ def test_ema_pytorch_beta_one_freezes_as_warmup_none_does():
     state = {k: v for k, v in theirs.ema_model.state_dict().items() if v.is_floating_point()}
     assert_same_state(ours, state)
     assert not torch.equal(ours.module.state_dict()["0.weight"], model.state_dict()["0.weight"])
+
 
 def test_tied_weights_are_averaged_once():
     # timm pairs state_dict entries by position, so a tied weight (listed under two names) is

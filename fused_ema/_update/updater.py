@@ -28,16 +28,31 @@ def _int64(step) -> bool:
     return type(step) is int and -(2**63) <= step < 2**63
 
 
-def _freed(model) -> str:
-    """The model's tensors whose storage no longer holds their elements, as the error names
-    them; empty when none is."""
+def _refused_tensors(emas, model) -> str:
+    """After the ops refused an update: the model's tensors whose storage no longer holds their
+    elements or is one of the EMAs' tensors', as the error names them (the ops can only give
+    list indices); empty when none is."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    ema_storages = {}
+    for ema in emas:
+        for name, t in (*ema.module.named_parameters(), *ema.module.named_buffers()):
+            if type(t) in plain and t.numel():
+                ema_storages.setdefault(t.untyped_storage().data_ptr(), name)
     found = []
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        short = storage_shortfall(t) if type(t) in (torch.Tensor, torch.nn.Parameter) else None
+        if type(t) not in plain:
+            continue
+        short = storage_shortfall(t)
+        shared = ema_storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
         if short is not None:
             found.append(
                 f"{name} has no memory for its elements (its storage holds {short[0]} of the "
                 f"{short[1]} bytes they need: freed, e.g. by untyped_storage().resize_(0)?)"
+            )
+        elif shared is not None:
+            found.append(
+                f"{name} shares memory with the EMA's {shared} (the EMA must own its tensors: "
+                "was an EMA tensor put into the model, or the EMA's module passed as the model?)"
             )
     return ", ".join(found)
 
@@ -127,12 +142,13 @@ class Updater:
                     done = without_grad(self._update, *args, trusted)
                 except _Declined:  # checked in Python now: a tensor changed, or only where it lives
                     done = without_grad(self._update, *args, False)
-            except ValueError as error:  # the ops name a freed tensor by its index: name it
-                freed = _freed(model)
-                if freed:
-                    raise ValueError(
-                        f"fused_ema: the model's {freed}; nothing was changed"
-                    ) from error
+            except (ValueError, RuntimeError) as error:  # the ops name tensors by list index
+                if type(error) not in (ValueError, RuntimeError):
+                    raise  # StructureMismatchError, CheckpointError: named already
+                named = _refused_tensors((ema, *(f.ema_ref() for f in self.followers)), model)
+                if named:
+                    message = f"fused_ema: the model's {named}; nothing was changed"
+                    raise ValueError(message) from error
                 raise
             if done:
                 self._end(commit=True)
