@@ -1,6 +1,7 @@
 """ModelEma's everyday behaviour: the schedule (warmup, update_after_step, update_every, given
 steps), buffers, dtypes, ema.module, wrappers, stats and argument checks."""
 
+import contextlib
 import copy
 import math
 import pickle
@@ -589,6 +590,36 @@ def test_failed_update_leaves_step_and_weights_as_they_were(monkeypatch, step):
     assert ema.step == 1 and ema.current_decay == decay_before
     for name, value in ema.state_dict()["weights"].items():
         assert torch.equal(value, before[name]), name
+
+
+def test_an_ema_built_or_swapped_under_inference_mode_works_outside_it():
+    """Lightning runs validate/test/predict under inference_mode and leaves them (or fails) outside
+    it: an EMA built there could never load a checkpoint (its step counter was an inference
+    tensor), and a swap entered there failed to leave, stranding the EMA's weights in the model."""
+    torch.manual_seed(43)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7))
+    with torch.inference_mode():
+        ema = fused_ema.ModelEma(model, decay=0.75)
+    ema.update(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    ema.update(model)
+    saved = ema.state_dict()
+    ema.load_state_dict(saved)  # before: "Inplace update to inference tensor outside InferenceMode"
+    saved = copy.deepcopy(saved)  # its tensors were the EMA's own, which the swap exchanges
+    training = {k: v.clone() for k, v in model.state_dict().items()}
+    held = contextlib.ExitStack()
+    with torch.inference_mode():
+        held.enter_context(ema.swapped(model))
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, saved["weights"][name]), name
+    held.close()  # left outside the mode
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, training[name]), name
+    for name, value in ema.state_dict()["weights"].items():
+        assert torch.equal(value, saved["weights"][name]), name
+    assert ema.step == 2
 
 
 def test_ema_to_under_inference_mode_leaves_tensors_later_updates_can_write():

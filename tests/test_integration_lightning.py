@@ -291,6 +291,41 @@ def test_validate_test_predict_from_a_checkpoint_use_its_ema(tmp_path):
         assert_same(snapshot(fresh), model.reference.history[-1], f"after {call.__name__}")
 
 
+class FailingPredict(Net):
+    def predict_step(self, batch, batch_idx):
+        raise ValueError("predict failed on purpose")
+
+
+def test_an_exception_in_a_standalone_predict_gives_the_training_weights_back(tmp_path):
+    """trainer.predict runs under inference_mode (Lightning's default) and its failure is handled
+    outside it: the user's error propagates and the model gets its training weights back."""
+    model, callback = FailingPredict(), EMACallback(decay=DECAY)
+    run = trainer(tmp_path, [callback], max_epochs=1)
+    run.fit(model, loader(1))
+    with pytest.raises(ValueError, match="on purpose"):
+        run.predict(model, loader(3))
+    assert_same(snapshot(model), model.reference.history[-1], "model after the failed predict")
+    assert_same(ema_weights(callback), model.reference.weights, "EMA after the failed predict")
+    callback.ema.update(model, step=5)  # still usable: not left inside swapped()
+
+
+def test_validate_from_a_checkpoint_then_fit_from_it_continues_the_ema(tmp_path):
+    """A callback whose EMA was first built under validate's inference_mode loads the checkpoint
+    again when fit resumes from it (before: its step counter was an inference tensor)."""
+    model, callback = Net(), EMACallback(decay=DECAY)
+    run = trainer(tmp_path, [callback], max_epochs=1)
+    run.fit(model, loader(1))
+    run.save_checkpoint(tmp_path / "fit.ckpt")
+    resumed, again = Net(), EMACallback(decay=DECAY)
+    second = trainer(tmp_path, [again], max_epochs=2)
+    second.validate(resumed, loader(3), ckpt_path=tmp_path / "fit.ckpt")
+    second.fit(resumed, loader(1), ckpt_path=tmp_path / "fit.ckpt")
+    straight, reference = Net(), EMACallback(decay=DECAY)
+    trainer(tmp_path / "straight", [reference], max_epochs=2).fit(straight, loader(1))
+    assert again.ema.step == reference.ema.step
+    assert_same(ema_weights(again), ema_weights(reference), "resumed EMA vs a straight run")
+
+
 def test_a_corrupt_checkpoint_state_raises_and_leaves_the_ema_as_built(tmp_path):
     import fused_ema
 

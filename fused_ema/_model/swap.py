@@ -38,6 +38,9 @@ class Swap:
     more). Tensors sharing memory need no care: each exchange undoes itself, in reverse order."""
 
     def __init__(self, pairs):
+        if torch.is_inference_mode_enabled():  # entered under the mode, perhaps left outside it
+            with torch.inference_mode(False):
+                return self.__init__(pairs)
         self._gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
         self._slices = None  # this rank's chunks of the model's tensors, while the EMA is in
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]

@@ -201,6 +201,9 @@ class Schedule:
     the latest begin if the update it belongs to did nothing, `commit()` makes it final."""
 
     def __init__(self, options: dict, device: torch.device):
+        if torch.is_inference_mode_enabled():  # the counter is written outside the mode too
+            with torch.inference_mode(False):
+                return self.__init__(options, device)
         self.options = options
         self.captured = False  # a CUDA graph holds pointers to these tensors
         self.step = torch.zeros((), dtype=torch.int64, device=device)
