@@ -144,6 +144,49 @@ def test_straight_and_resumed_runs_give_the_same_ema(tmp_path, accumulate):
         assert_same(snapshot(resumed_model), snapshot(model), f"model {name}")
 
 
+class _Trial:
+    """What Trainer.train(trial=...) reads of an optuna trial (optuna is not installed here)."""
+
+    number, params = 0, {}
+
+    def report(self, *args):
+        pass
+
+    def should_prune(self):
+        return False
+
+
+@pytest.mark.parametrize("runs_before", [0, 1])
+def test_a_hyperparameter_search_trial_saves_its_ema_in_the_trials_folder(
+    tmp_path, monkeypatch, runs_before
+):
+    """A trial's checkpoints go to output_dir/run-<n>/checkpoint-<step> (Trainer._get_output_dir):
+    ema.pt lands there (before: FileNotFoundError, training stopped), also where an earlier
+    trial left a checkpoint of the same step in its own run folder."""
+    from transformers import integrations
+    from transformers.trainer_utils import HPSearchBackend
+
+    monkeypatch.setattr(integrations, "hp_params", lambda trial: trial.params)
+    for number in range(runs_before + 1):
+        model, recorder, callback = Net(), Recorder(), EMACallback(decay=DECAY)
+        trainer = transformers.Trainer(
+            model=model,
+            args=arguments(tmp_path),
+            train_dataset=Data(1 + number),
+            callbacks=[recorder, callback],
+        )
+        trainer.hp_search_backend, trainer.hp_space = HPSearchBackend.OPTUNA, lambda trial: {}
+        trial = _Trial()
+        trial.number = number
+        trainer.train(trial=trial)
+        for step in (4, 8):
+            saved = saved_ema(tmp_path / f"run-{number}" / f"checkpoint-{step}")
+            assert int(saved["step"]) == step
+            expected = ema_of(recorder.reference.history[:step], DECAY)
+            assert_same(saved["weights"], expected, f"run-{number} ema.pt {step}")
+    assert not (tmp_path / "checkpoint-4").exists()
+
+
 def test_where_a_resumed_run_finds_its_ema(tmp_path):
     """A plain Trainer resumed from a folder outside its output_dir cannot know it: an error that
     says what to do, resume_from= fixes it; on_missing="restart" starts a new EMA instead."""

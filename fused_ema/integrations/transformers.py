@@ -6,6 +6,7 @@ EMATrainer (evaluation on the EMA, the resumed folder) and ema_weights(trainer).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import warnings
 
@@ -36,6 +37,17 @@ BEMA_FILE = "bema.pt"
 
 def _folder(args, step: int) -> str:
     return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def _saved_folder(args, state) -> str:
+    """The checkpoint folder the Trainer has just written: output_dir/checkpoint-<step>, or in a
+    hyperparameter-search trial output_dir/<the trial's run>/checkpoint-<step>, whose run name
+    only the Trainer knows (run-<n> or its hp_name's): the newest one there."""
+    if getattr(state, "trial_params", None) is None and getattr(state, "trial_name", None) is None:
+        return _folder(args, state.global_step)
+    name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    runs = glob.glob(os.path.join(glob.escape(str(args.output_dir)), "*", name))
+    return max(runs, key=os.path.getmtime) if runs else _folder(args, state.global_step)
 
 
 class EMACallback(TrainerCallback):
@@ -120,7 +132,7 @@ class EMACallback(TrainerCallback):
         checkpoint = whole_state_dict(self.ema)
         if not args.should_save:
             return
-        folder = _folder(args, state.global_step)
+        folder = _saved_folder(args, state)
         if not os.path.isdir(folder):
             raise FileNotFoundError(
                 f"fused_ema: the checkpoint folder {folder} the Trainer should have written "
