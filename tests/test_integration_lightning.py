@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -324,6 +325,26 @@ def test_validate_from_a_checkpoint_then_fit_from_it_continues_the_ema(tmp_path)
     trainer(tmp_path / "straight", [reference], max_epochs=2).fit(straight, loader(1))
     assert again.ema.step == reference.ema.step
     assert_same(ema_weights(again), ema_weights(reference), "resumed EMA vs a straight run")
+
+
+def test_resuming_from_a_checkpoint_without_the_ema_warns_and_starts_a_new_one(tmp_path):
+    """fit(ckpt_path=) from a checkpoint written without the callback: a new EMA, said aloud
+    (the transformers callback raises there by default); from one with it: no warning."""
+    plain, model = trainer(tmp_path, [], max_epochs=1), Net()
+    plain.fit(model, loader(1))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    resumed, callback = Net(), EMACallback(decay=DECAY)
+    with pytest.warns(UserWarning, match="without EMACallback state"):
+        trainer(tmp_path, [callback]).fit(resumed, loader(1), ckpt_path=tmp_path / "plain.ckpt")
+    assert callback.ema.step == 8
+    with_ema = trainer(tmp_path, [EMACallback(decay=DECAY)], max_epochs=1)
+    with_ema.fit(Net(), loader(1))
+    with_ema.save_checkpoint(tmp_path / "ema.ckpt")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*without EMACallback state")
+        trainer(tmp_path, [EMACallback(decay=DECAY)]).fit(
+            Net(), loader(1), ckpt_path=tmp_path / "ema.ckpt"
+        )
 
 
 def test_a_corrupt_checkpoint_state_raises_and_leaves_the_ema_as_built(tmp_path):

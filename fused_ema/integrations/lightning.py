@@ -4,6 +4,7 @@ Needs `lightning` (`lightning.pytorch`); with only `pytorch_lightning` installed
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -58,6 +59,7 @@ class EMACallback(Callback):
         self._module_ref = None
         self._pending: dict | None = None  # callback state loaded before the EMA was bound
         self._last_step: int | None = None
+        self._fresh = False  # an EMA built by this fit that no checkpoint state went into
 
     # ------------------------------------------------------------------ binding and state
 
@@ -68,9 +70,11 @@ class EMACallback(Callback):
         if self._ema_kwargs is not None and not bound and (create or self._pending is not None):
             self.ema = ModelEma(pl_module, **self._ema_kwargs)
             self._module_ref = weakref.ref(pl_module)
+            self._fresh = True  # built here, no state of a checkpoint loaded into it yet
         if self._pending is not None and self.ema is not None:
             state, self._pending = self._pending, None
             self.ema.load_state_dict(state)  # all or nothing: a bad state raises, EMA unchanged
+            self._fresh = False
 
     def state_dict(self) -> dict:
         if self._pending is not None:
@@ -108,6 +112,14 @@ class EMACallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._bind(pl_module)  # a strategy that restores checkpoints after setup loads it here
         self._last_step = trainer.global_step
+        if self._fresh and trainer.global_step > 0:
+            warnings.warn(
+                f"fused_ema: training resumed at step {trainer.global_step} from a checkpoint "
+                "without EMACallback state (saved without this callback, or save_weights_only="
+                "True); a new EMA starts from the resumed model",
+                stacklevel=2,
+            )
+        self._fresh = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
