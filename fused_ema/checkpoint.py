@@ -5,6 +5,7 @@ writes (snapshots, the posthoc command's output, ema.pt)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import secrets
@@ -217,7 +218,10 @@ def _read_weights(path: str) -> dict:
         from safetensors.torch import load_file
 
         return load_file(path, device="cpu")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    # timm's training checkpoints hold its argparse.Namespace of arguments (as timm's own loader
+    # allows): a plain attribute bag, no code.
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def read_pretrained_folder(path) -> dict:

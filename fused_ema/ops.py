@@ -310,7 +310,7 @@ def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     """(bytes held, bytes needed) where `t`'s storage no longer holds every element it addresses
     (freed by untyped_storage().resize_(0), as FSDP frees parameters, or shrunk); None where it
     does or has no storage to check. The ops' C++ planner refuses the same (check_storage)."""
-    if t.numel() == 0:
+    if t.numel() == 0 or t.is_meta:  # a meta tensor has no memory to read
         return None
     try:
         held = t.untyped_storage().nbytes()
@@ -319,6 +319,28 @@ def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     needed = (t.storage_offset() + reach + 1) * t.element_size()
     return (held, needed) if held < needed else None
+
+
+def freed_tensors(named) -> list[str]:
+    """Of (name, tensor) pairs, each plain tensor whose storage no longer holds its elements
+    (storage_shortfall), named with what its storage holds."""
+    found = []
+    for name, t in named:
+        short = storage_shortfall(t) if type(t) in (torch.Tensor, torch.nn.Parameter) else None
+        if short is not None:
+            found.append(
+                f"{name} has no memory for its elements (its storage holds {short[0]} of the "
+                f"{short[1]} bytes they need: freed, e.g. by untyped_storage().resize_(0)?)"
+            )
+    return found
+
+
+def refuse_freed(named, whose: str) -> None:
+    """A ValueError naming every freed tensor of `named` (freed_tensors), before anything reads
+    it: torch's own ops would read the freed memory."""
+    found = freed_tensors(named)
+    if found:
+        raise ValueError(f"fused_ema: {whose} {', '.join(found)}; nothing was changed")
 
 
 def _aligned(op: str, *named: tuple) -> list[list[torch.Tensor]]:

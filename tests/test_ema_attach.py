@@ -88,6 +88,29 @@ def test_gradient_accumulation_updates_once_per_optimizer_step():
     ref.check(ema)
 
 
+def test_accelerates_wrapped_optimizer_updates_once_per_real_step():
+    """accelerator.prepare's AcceleratedOptimizer (an Optimizer subclass that is not initialised
+    as one): attach raised AttributeError; it now hooks the optimizer it wraps, whose step runs
+    only on real steps under accelerator.accumulate."""
+    accelerate = pytest.importorskip("accelerate")
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, DECAY)
+    accumulate = 4
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ema.attach(opt)
+    ref, g = Reference(), torch.Generator().manual_seed(1)
+    for micro in range(1, 3 * accumulate + 1):
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_of(model, batch(g)))
+            opt.step()
+            opt.zero_grad()
+        if micro % accumulate == 0:
+            ref.update(model)
+    assert ema.step == ref.updates == 3
+    ref.check(ema)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["skipped-by-scaler", "fused-adam-found-inf"])
 def test_a_gradscaler_skipped_step_is_not_an_update(fused):
     model = small_mlp()

@@ -622,6 +622,34 @@ def test_an_ema_built_or_swapped_under_inference_mode_works_outside_it():
     assert ema.step == 2
 
 
+def test_a_model_tensor_changed_inside_swapped_loses_only_its_own_values():
+    """`.data =` of another shape inside the block: its EMA values went with the old memory. The
+    swap-out refused every tensor and left the EMA stuck "inside swapped()" for good; now the
+    others come back, a ValueError names it, and the EMA stays usable."""
+    torch.manual_seed(44)
+    model = small_mlp()
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ema.update(model)
+    training = copy.deepcopy(model.state_dict())
+    averaged = copy.deepcopy(ema.state_dict()["weights"])
+    with pytest.raises(ValueError, match=r"the model's 0\.weight changed inside the block"):
+        with ema.swapped(model):
+            model[0].weight.data = torch.randn(8, 6)
+    now = ema.state_dict()["weights"]
+    for name, value in model.state_dict().items():
+        if name != "0.weight":
+            assert torch.equal(value, training[name]), name
+            assert torch.equal(now[name], averaged[name]), name
+    assert torch.equal(now["0.weight"], training["0.weight"])  # the block's start, as said
+    with pytest.raises(fused_ema.StructureMismatchError, match="0.weight"):
+        ema.update(model)
+    model[0].weight.data = training["0.weight"].clone()
+    ema.update(model)
+    assert ema.step == 3
+
+
 def test_ema_to_under_inference_mode_leaves_tensors_later_updates_can_write():
     # The converted EMA tensors were inference tensors: every update after the block raised.
     torch.manual_seed(41)

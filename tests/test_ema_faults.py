@@ -316,17 +316,20 @@ def test_integer_buffer_resized_in_place_changes_nothing():
     assert_same_state(ema, before)
 
 
+@pytest.mark.parametrize("non_blocking", [False, True])
 @pytest.mark.parametrize("name", ["0.weight", "1.running_mean", "1.num_batches_tracked"])
-def test_a_model_tensor_whose_memory_was_freed_is_refused_and_changes_nothing(name):
-    """resize_(0), as FSDP frees a parameter: a clear error instead of reading freed memory; once
-    the memory is back the next update averages it."""
+def test_a_model_tensor_whose_memory_was_freed_is_refused_and_changes_nothing(name, non_blocking):
+    """resize_(0), as FSDP frees a parameter: a clear error instead of reading freed memory (a
+    non_blocking update's staging copy crashed the process); once the memory is back the next
+    update averages it."""
     model, ema = moved_ema()
     before = state_of(ema)
     tensor = model.get_parameter(name) if "weight" in name else model.get_buffer(name)
     values = tensor.detach().clone()
     tensor.untyped_storage().resize_(0)
     with pytest.raises(ValueError, match=rf"the model's {name} has no memory for its elements"):
-        ema.update(model)
+        ema.update(model, non_blocking=non_blocking)
+        ema.synchronize()
     assert_same_state(ema, before)
     tensor.untyped_storage().resize_(values.nbytes)
     with torch.no_grad():
@@ -339,6 +342,52 @@ def test_a_model_tensor_whose_memory_was_freed_is_refused_and_changes_nothing(na
         torch.testing.assert_close(got[name], expected, rtol=0, atol=1e-6)
     else:
         assert torch.equal(got[name], values)
+
+
+@pytest.mark.parametrize("call", ["set", "copy_to", "swapped", "stats", "resync", "update_added"])
+@pytest.mark.parametrize("shrunk", [False, True])
+def test_every_call_that_reads_a_model_tensor_refuses_a_freed_one(call, shrunk):
+    """Not only update(): the calls that copy or read model tensors in Python (torch's ops would
+    read the freed memory: a crash, or garbage from a shrunk storage) name the tensor, change
+    nothing, and work again once the memory is back."""
+    model, ema = moved_ema(on_mismatch="resync")
+    if call in ("resync", "update_added"):
+        model.append(nn.Linear(4, 3))
+        tensor, name = model[-1].weight, f"{len(model) - 1}.weight"
+    else:
+        tensor, name = model[0].weight, "0.weight"
+    before, model_before = state_of(ema), copy.deepcopy(model.state_dict())
+    values = tensor.detach().clone()
+    tensor.untyped_storage().resize_(values.nbytes // 2 if shrunk else 0)
+
+    def swap():
+        with ema.swapped(model):
+            pass
+
+    run = {
+        "set": lambda: ema.set(model),
+        "copy_to": lambda: ema.copy_to(model),
+        "swapped": swap,
+        "stats": lambda: ema.stats(model),
+        "resync": lambda: ema.resync(model),
+        "update_added": lambda: ema.update(model),
+    }[call]
+    with pytest.raises(ValueError, match=rf"the model's {name} has no memory for its elements"):
+        run()
+    assert_same_state(ema, before)
+    tensor.untyped_storage().resize_(values.nbytes)
+    with torch.no_grad():
+        tensor.copy_(values)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, model_before[key]), key
+    run()  # the memory is back
+
+
+def test_building_an_ema_of_a_model_with_a_freed_tensor_is_refused():
+    model = small_mlp()
+    model[3].bias.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="the model's 3.bias has no memory for its elements"):
+        fused_ema.ModelEma(model)
 
 
 @pytest.mark.parametrize("name", ["0.weight", "1.running_var"])

@@ -2,6 +2,7 @@
 way it does, ModelEma loads that file, and both continue on the same weights; they must stay equal
 to float rounding. Peers that are not installed skip and say why."""
 
+import argparse
 import json
 import random
 
@@ -80,8 +81,17 @@ def test_timm_model_ema_v3(tmp_path, settings, saved):
     theirs = timm.ModelEmaV3(run.model, **settings)
     for _ in range(BEFORE):
         theirs.update(run.model, step=run.next())
-    if saved == "state_dict_ema":  # timm's CheckpointSaver
-        torch.save({"epoch": 1, "state_dict_ema": theirs.module.state_dict()}, tmp_path / "c.pth")
+    if saved == "state_dict_ema":  # what timm's CheckpointSaver writes (train.py passes args)
+        checkpoint = {
+            "epoch": 1,
+            "arch": "mlp",
+            "state_dict": run.model.state_dict(),
+            "state_dict_ema": theirs.module.state_dict(),
+            "args": argparse.Namespace(model="mlp", lr=0.1, model_ema_decay=0.999),
+            "version": 2,
+            "metric": 0.5,
+        }
+        torch.save(checkpoint, tmp_path / "c.pth")
     else:
         torch.save(theirs.state_dict(), tmp_path / "c.pth")  # module.* keys
     ours = fused_ema.ModelEma(run.model, **settings)

@@ -133,6 +133,32 @@ def test_complex_parameters_are_refused_at_construction_and_complex_buffers_copi
     assert torch.equal(ema.state_dict()["weights"]["freqs"], model.freqs)
 
 
+def test_sparse_tensors_are_refused_by_name_and_can_be_left_out():
+    """A sparse buffer (a graph's adjacency) was accepted, then every update failed naming a list
+    index; now refused when the EMA meets it (built or resynced), and ignore_names leaves it."""
+    torch.manual_seed(12)
+    model = small_mlp()
+    adjacency = torch.randn(5, 5) * (torch.rand(5, 5) > 0.5)
+    model.register_buffer("adj", adjacency.to_sparse())
+    with pytest.raises(ValueError, match=r"buffer adj is a torch.sparse_coo tensor.*ignore_names"):
+        fused_ema.ModelEma(model)
+    ema = fused_ema.ModelEma(model, decay=0.5, ignore_names=["adj"])
+    ema.update(model)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model)
+    expected = model[0].weight.detach() - 0.5  # halfway from the step-1 copy
+    torch.testing.assert_close(ema.state_dict()["weights"]["0.weight"], expected)
+    with ema.swapped(model):
+        pass
+    grown = fused_ema.ModelEma(small_mlp(), decay=0.5, on_mismatch="resync")
+    grown_model = small_mlp()
+    grown_model.register_buffer("adj", adjacency.to_sparse())
+    with pytest.raises(ValueError, match="buffer adj is a torch.sparse_coo tensor"):
+        grown.update(grown_model)
+    assert grown.step == 0
+
+
 def test_lazy_modules_are_refused_until_materialized_by_name():
     model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"param 0\.weight is uninitialized .*forward pass"):

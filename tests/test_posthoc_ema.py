@@ -441,6 +441,9 @@ def test_bad_arguments_are_refused_clearly():
         PostHocEma(model, gammas=(-2.0,))
     with pytest.raises(ValueError, match="at least one"):
         PostHocEma(model, ())
+    # Accepted, they made a folder its own synthesis refused ("the same gamma at the same step").
+    with pytest.raises(ValueError, match="the widths must differ"):
+        PostHocEma(model, (0.05, 0.10, 0.05))
     with pytest.raises(ValueError, match="snapshot_every"):
         PostHocEma(model, snapshot_every=0)
     with pytest.raises(ValueError, match="snapshot_dtype"):
@@ -641,6 +644,41 @@ def test_a_compiled_training_step_updates_every_ema_and_still_writes_snapshots(t
         for name, value in b.state_dict()["weights"].items():
             assert torch.equal(value, a.state_dict()["weights"][name]), name
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
+
+
+def test_a_compiled_update_snapshots_and_checks_as_an_eager_one(tmp_path):
+    """Compiled, update() skipped what the eager one does first: the next update overwrote the
+    EMA before the writer copied it out (a snapshot held a later update's EMA), and a step back
+    wrote a snapshot that made the folder unusable for synthesis."""
+    from safetensors import safe_open
+
+    model = net()
+    ph = PostHocEma(
+        model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path, snapshot_dtype=None
+    )
+
+    @torch.compile(backend="eager")
+    def update(m, step):
+        ph.update(m, step=step)
+
+    seen = {}
+
+    def step(t):
+        update(model, torch.tensor(t))
+        seen[t] = [e.state_dict()["weights"]["0.weight"].clone() for e in ph.emas]
+
+    train(model, 8, step)
+    with pytest.raises(ValueError, match="snapshot steps must grow"):
+        update(model, torch.tensor(4))
+    assert ph.step == 8
+    ph.close()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == 8
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            at, k = int(f.metadata()["step"]), int(path.stem.rsplit("ema", 1)[1])
+            assert torch.equal(f.get_tensor("0.weight"), seen[at][k]), path.name
+    fused_ema.posthoc.synthesize(tmp_path, sigma_rel=0.07)
 
 
 def test_every_track_follows_a_structure_change_or_refuses_it_whole():

@@ -15,6 +15,8 @@ from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut, same_memo
 from .._dist.shard import gather_chunks, gather_into
 from .._ext.grad import without_grad
 from .._ext.loader import _C
+from ..errors import CheckpointError
+from ..ops import storage_shortfall
 
 #: The scratch buffer an in-place exchange uses, per dtype and device.
 SWAP_CHUNK_BYTES = 16 << 20
@@ -49,6 +51,8 @@ class Swap:
         pairs = [(n, e, zero3.partition(t) if zero3.is_zero3(t) else t) for n, e, t in pairs]
         self._partners = without_grad(lambda: [_partner(e, t) for _, e, t in pairs])
         self._targets = [local(t) for _, _, t in pairs]
+        self._names = [n for n, _, _ in pairs]
+        self.changed: list = []  # the model tensors swap_out could not give their values back
         need: dict = {}  # scratch per dtype and device: SWAP_CHUNK_BYTES at most, a row at least
         for t in self._targets:
             row = t.numel() // t.shape[0] if t.dim() and t.shape[0] else 1
@@ -69,16 +73,37 @@ class Swap:
         _swap_values(self._targets, self._partners, self._scratch, self._state, 1)
 
     def swap_out(self) -> None:
-        """Puts the model's values back. A call interrupted before its exchange may be repeated."""
-        _swap_values(self._targets[::-1], self._partners[::-1], self._scratch, self._state, 0)
+        """Puts the model's values back. A call interrupted before its exchange may be repeated.
+        A model tensor the block changed (`.data =` of another shape or dtype, freed memory) has
+        lost the EMA values it held: the others are put back, then a ValueError names it."""
+        pairs = list(zip(self._names, self._targets, self._partners))
+        changed = self.changed = [n for n, t, p in pairs if not _exchangeable(t, p)]
+        kept = [(t, p) for n, t, p in pairs if n not in changed][::-1]
+        _swap_values([t for t, _ in kept], [p for _, p in kept], self._scratch, self._state, 0)
         zero3.release(self._zero3)  # what a forward gathered of the EMA inside the block
         if self._slices is not None:
             without_grad(gather_chunks, self._slices, self._gathered[0][0].device_mesh)
             self._slices = None
+        if changed:
+            raise ValueError(
+                f"fused_ema: swapped(): the model's {', '.join(changed)} changed inside the block "
+                "(its shape, dtype, device or memory), so the EMA values it held are lost: the "
+                "EMA keeps the model's values from the block's start for it; every other tensor "
+                "was put back"
+            )
 
 
 def _swap_values(a, b, scratch, state, into: int) -> None:
     without_grad(torch.ops.fused_ema.swap_values_, a, b, scratch, state, into)
+
+
+def _exchangeable(target: torch.Tensor, partner: torch.Tensor) -> bool:
+    same = (target.shape, target.dtype, target.device) == (
+        partner.shape,
+        partner.dtype,
+        partner.device,
+    )
+    return same and storage_shortfall(target) is None
 
 
 def _partner(ema: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -110,22 +135,26 @@ def check_resharding(pairs) -> None:
         foreign = any(mesh.get_group(d).size() != mesh.size(d) for d in range(mesh.ndim))
         if foreign or (theirs != ours if is_dtensor(target) else theirs > world):
             here = "this EMA is sharded over" if is_dtensor(target) else "this job has"
-            raise ValueError(
-                f"fused_ema: {name or 'a tensor'} is a DTensor sharded over {theirs} ranks "
-                f"(local shape {list(local(value).shape)}), but {here} {ours}: a sharded "
-                "checkpoint saved at another world size is resharded by torch.distributed."
-                "checkpoint (state = ema.state_dict(); dcp.load(state, checkpoint_id=...); "
-                "ema.load_state_dict(state)), not by torch.save/torch.load; nothing was loaded"
+            raise CheckpointError(
+                [
+                    f"{name or 'a tensor'} is a DTensor sharded over {theirs} ranks "
+                    f"(local shape {list(local(value).shape)}), but {here} {ours}: a sharded "
+                    "checkpoint saved at another world size is resharded by torch.distributed."
+                    "checkpoint (state = ema.state_dict(); dcp.load(state, checkpoint_id=...); "
+                    "ema.load_state_dict(state)), not by torch.save/torch.load"
+                ]
             )
         # torch.load rebuilds a mesh with the coordinate of the rank that saved it.
         saved = mesh.get_coordinate()
         here = tuple(dist.get_rank(mesh.get_group(d)) for d in range(mesh.ndim))
         if saved is not None and tuple(saved) != here:
-            raise ValueError(
-                f"fused_ema: {name or 'a tensor'} is the shard of rank {list(saved)} of its "
-                f"DTensor's mesh, and this process is {list(here)} there: torch.save of a rank's "
-                "state_dict() reloads only on the rank that saved it (torch.distributed."
-                "checkpoint reloads on any); nothing was loaded"
+            raise CheckpointError(
+                [
+                    f"{name or 'a tensor'} is the shard of rank {list(saved)} of its DTensor's "
+                    f"mesh, and this process is {list(here)} there: torch.save of a rank's "
+                    "state_dict() reloads only on the rank that saved it (torch.distributed."
+                    "checkpoint reloads on any)"
+                ]
             )
 
 

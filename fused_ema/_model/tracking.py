@@ -14,6 +14,7 @@ from torch import nn
 from .._dist import zero3
 from .._dist.dtensor import check_averageable, is_dtensor, same_layout
 from ..errors import StructureMismatchError
+from ..ops import refuse_freed
 from .name_filters import NameFilter
 from .walk import PARAM, Tracked
 
@@ -92,6 +93,12 @@ class EntryPolicy:
                     "a ZeRO-3 model is partitioned with it: build it without shard="
                 )
             t = zero3.partition(tracked.tensor).detach()
+        refuse_freed([(tracked.name, t)], "the model's")  # the copy below would read it
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"fused_ema: {tracked.kind} {tracked.name} is a {t.layout} tensor; the EMA holds "
+                f"dense (strided) tensors. Leave it out: ignore_names=[{tracked.name!r}]"
+            )
         if t.is_complex() and tracked.kind == PARAM:
             raise ValueError(
                 f"fused_ema: parameter {tracked.name} is {t.dtype}; the fused kernels average real "

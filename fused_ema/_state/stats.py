@@ -7,7 +7,7 @@ import math
 from .._dist.dtensor import local, sharding
 from .._ext.grad import without_grad
 from .._model.walk import named_tensors
-from ..ops import SUPPORTED_DTYPE_PAIRS, lerp_
+from ..ops import SUPPORTED_DTYPE_PAIRS, lerp_, refuse_freed
 
 
 def ema_stats(
@@ -16,6 +16,7 @@ def ema_stats(
     """`every`: the power of the per-step decay an averaging update applies (update_every=k,
     compensated: decay ** k, the weight unchanged_fraction is measured with)."""
     averaged = [e for e in entries if e.average]
+    refuse_freed([(e.name, e.ema) for e in entries], "the EMA's")  # read below
     stats = {
         "step": step,
         "decay": decay,
@@ -30,6 +31,7 @@ def ema_stats(
         return stats
     by_name = {n for e in entries for n in e.names}
     current = {n: t for t in named_tensors(model, True) for n in t.names}
+    refuse_freed([(n, t.tensor) for n, t in current.items()], "the model's")
     stats["untracked"] = sum(1 for n in current if n not in by_name)
     weight = 1.0 - (decay or configured_decay) ** every
     diff2, ref2, unchanged, total = without_grad(_compared, averaged, current, weight)

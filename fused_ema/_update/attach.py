@@ -47,6 +47,11 @@ class StepHook:
 
 def attach(ema, optimizer, model, non_blocking: bool, live: weakref.WeakSet):
     """Registers the hook; `live` holds the EMA's hooks weakly (a removed hook drops out)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        # A wrapper (accelerate's AcceleratedOptimizer, not initialised as an Optimizer): its
+        # step() steps the wrapped one on real steps only (not while accumulating gradients).
+        optimizer = inner
     register = getattr(optimizer, "register_step_post_hook", None)
     if register is None:
         raise TypeError(

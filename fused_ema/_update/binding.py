@@ -17,6 +17,7 @@ from .._ext.loader import _C
 from .._model.module_view import EmaForwardCheck, SwappedModelView, build_module
 from .._model.tracking import EntryPolicy, EntryTable, unbound
 from .._model.walk import named_tensors
+from ..ops import refuse_freed
 from .plan import UpdatePlan
 
 _RESYNC_HINT = (
@@ -202,7 +203,10 @@ class Binding:
                 "rank keeps its slice of the EMA"
             )
         current = {name: t.tensor for t in tracked for name in t.names}
-        return [(e.name, e.ema, current[e.name]) for e in self.table.entries]
+        pairs = [(e.name, e.ema, current[e.name]) for e in self.table.entries]
+        refuse_freed([(name, t) for name, _, t in pairs], "the model's")  # a copy would read it
+        refuse_freed([(name, e) for name, e, _ in pairs], "the EMA's")
+        return pairs
 
     def module_for(self, ema) -> nn.Module:
         if self.module is None:

@@ -19,7 +19,7 @@ from .._dist import zero3
 from .._dist.dtensor import is_dtensor, local, replica_cut, shard_offset
 from .._ext.loader import _C
 from .._model.tracking import EntryTable
-from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochastic_
+from ..ops import SUPPORTED_DTYPE_PAIRS, bema_, lerp_, lerp_many_, lerp_stochastic_, refuse_freed
 
 # The fused call a device group makes (DeviceGroup.kind; csrc/prepared_update.h's FusedKind).
 LERP, LERP_STOCHASTIC, LERP_MANY, LERP_MANY_STOCHASTIC, BEMA = range(5)
@@ -299,6 +299,8 @@ class UpdatePlan:
         EMA are issued on side streams and a worker thread averages once they have landed.
         Returns whether work was left to the worker. That job is prepared before anything is
         written, so a caller interrupted anywhere can settle it (AsyncRunner.settle)."""
+        # Its copies come before the op that checks storage, and torch's read freed memory.
+        refuse_freed([(f"tensor {i} of the walk", t) for i, t in enumerate(walk)], "the model's")
         self.marks = self.versions()
         skipped = _zero_on_host(weight)
         copies = self.copies.values()

@@ -16,7 +16,7 @@ from .._ext.grad import without_grad
 from .._ext.loader import _C
 from .._model.swap import Swap, check_writable, finish_all
 from .._model.walk import tensor_walk, walk_agrees
-from ..ops import storage_shortfall
+from ..ops import freed_tensors, storage_shortfall
 from . import prepared as prep
 from .nonblocking import AsyncRunner
 from .schedule import whole_number
@@ -32,24 +32,21 @@ def _refused_tensors(emas, model) -> str:
     """After the ops refused an update: the model's tensors whose storage no longer holds their
     elements or is one of the EMAs' tensors', as the error names them (the ops can only give
     list indices); empty when none is."""
-    plain = (torch.Tensor, torch.nn.Parameter)
+
+    def memory(t):  # where a plain dense tensor's storage is; None for others (meta: none)
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+        return t.untyped_storage().data_ptr() or None if plain and t.numel() else None
+
     ema_storages = {}
     for ema in emas:
         for name, t in (*ema.module.named_parameters(), *ema.module.named_buffers()):
-            if type(t) in plain and t.numel():
-                ema_storages.setdefault(t.untyped_storage().data_ptr(), name)
-    found = []
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if type(t) not in plain:
-            continue
-        short = storage_shortfall(t)
-        shared = ema_storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
-        if short is not None:
-            found.append(
-                f"{name} has no memory for its elements (its storage holds {short[0]} of the "
-                f"{short[1]} bytes they need: freed, e.g. by untyped_storage().resize_(0)?)"
-            )
-        elif shared is not None:
+            ema_storages.setdefault(memory(t), name)
+    ema_storages.pop(None, None)
+    named = [*model.named_parameters(), *model.named_buffers()]
+    found = freed_tensors(named)
+    for name, t in named:
+        shared = ema_storages.get(memory(t))
+        if shared is not None and storage_shortfall(t) is None:
             found.append(
                 f"{name} shares memory with the EMA's {shared} (the EMA must own its tensors: "
                 "was an EMA tensor put into the model, or the EMA's module passed as the model?)"
@@ -314,7 +311,12 @@ class Updater:
         swap = Swap(pairs)  # prepared: nothing written yet
 
         def swap_out():  # idempotent: swap_out may run again
-            swap.swap_out()
+            try:
+                swap.swap_out()
+            except ValueError:
+                if swap.changed:  # a tensor the block changed: the others are back
+                    self.swapped = False
+                raise
             self.swapped = False
             reshard_fsdp(model)  # FSDP2 keeps parameters it gathered inside the block
 

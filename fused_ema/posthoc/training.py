@@ -83,6 +83,8 @@ class PostHocEma(TrackSet):
         self.gammas = tuple(float(g) for g in gammas)
         if not self.gammas:
             raise ValueError("PostHocEma: track at least one EMA")
+        if len(set(self.gammas)) < len(self.gammas):  # synthesis solves for one per gamma
+            raise ValueError(f"PostHocEma: the widths must differ, got gammas {self.gammas}")
         every = whole_number("snapshot_every", snapshot_every, 1)
         if snapshot_dtype is not None and not (
             isinstance(snapshot_dtype, torch.dtype) and snapshot_dtype.is_floating_point
@@ -154,11 +156,38 @@ class PostHocEma(TrackSet):
         """One update of every tracked EMA toward `model`, reading each model tensor once; then
         a snapshot when the update count reaches a multiple of snapshot_every."""
         leader, snapshots = self._tracks[0], self._snapshots
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # the snapshot's checks and writes run eagerly
+            if snapshots.folder is not None:
+                self._before_update(step)
             leader._update(model, step, non_blocking)
             if snapshots.folder is not None:
-                self._counted_snapshot()  # a graph break: snapshots run eagerly
+                self._counted_snapshot()
             return
+        t = self._before_update(step)
+        try:
+            leader._update(model, step, non_blocking)
+            if t is None and snapshots.folder is not None:
+                self._counted_snapshot()
+                return
+            # A dict store, not Module.__setattr__: a call, where an interrupt could leave the
+            # count one behind the counter and every later snapshot labelled with the step before.
+            self.__dict__["_t"] = t
+            if snapshots.due(t):
+                self._take(t)
+        except BaseException:
+            # An interrupt may land once the update has gone through: the counter says whether
+            # it did, read back now for a snapshot due there (and at the next update).
+            self.__dict__["_t"] = None
+            if snapshots.folder is not None and not non_blocking:
+                self._counted_snapshot(missed=True)
+            raise
+
+    @torch.compiler.disable
+    def _before_update(self, step) -> int | None:
+        """What every update checks before it changes anything (the last snapshot copied out,
+        a failed write raised, the snapshot steps growing, the folder this run's); returns the
+        update count after it where known without reading a device."""
+        leader, snapshots = self._tracks[0], self._snapshots
         snapshots.wait_staged()
         snapshots.raise_failure()
         t = None  # the update count after this update, when known without reading a device
@@ -182,23 +211,7 @@ class PostHocEma(TrackSet):
             )
         if snapshots.due(t) or (t is None and snapshots.folder is not None):
             snapshots.check_folder()
-        try:
-            leader._update(model, step, non_blocking)
-            if t is None and snapshots.folder is not None:
-                self._counted_snapshot()
-                return
-            # A dict store, not Module.__setattr__: a call, where an interrupt could leave the
-            # count one behind the counter and every later snapshot labelled with the step before.
-            self.__dict__["_t"] = t
-            if snapshots.due(t):
-                self._take(t)
-        except BaseException:
-            # An interrupt may land once the update has gone through: the counter says whether
-            # it did, read back now for a snapshot due there (and at the next update).
-            self.__dict__["_t"] = None
-            if snapshots.folder is not None and not non_blocking:
-                self._counted_snapshot(missed=True)
-            raise
+        return t
 
     @torch.compiler.disable
     def _counted_snapshot(self, missed: bool = False) -> None:
