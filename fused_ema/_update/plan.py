@@ -299,8 +299,9 @@ class UpdatePlan:
         EMA are issued on side streams and a worker thread averages once they have landed.
         Returns whether work was left to the worker. That job is prepared before anything is
         written, so a caller interrupted anywhere can settle it (AsyncRunner.settle)."""
-        # Its copies come before the op that checks storage, and torch's read freed memory.
-        refuse_freed([(f"tensor {i} of the walk", t) for i, t in enumerate(walk)], "the model's")
+        # Its copies come before the op that checks storage, and torch's read freed memory
+        # (ModelEma's error then names the tensor).
+        refuse_freed(zip(range(len(walk)), walk), "the model's tensor")
         self.marks = self.versions()
         skipped = _zero_on_host(weight)
         copies = self.copies.values()
