@@ -211,6 +211,8 @@ class ModelEma(TimmAttributes, nn.Module):
 
     def _update(self, model: nn.Module, step, non_blocking: bool) -> None:
         """update() itself: what a PostHocEma's or Bema's update runs on its leading track."""
+        if not isinstance(non_blocking, bool):  # as attach(): "no" would read as True
+            raise TypeError(f"non_blocking must be True or False, got {non_blocking!r}")
         if torch.compiler.is_compiling():
             return self._updater.trace(unwrap_model(model), step, self._key)
         self._updater.update(self, unwrap_model(model), step, non_blocking)
@@ -289,6 +291,11 @@ class ModelEma(TimmAttributes, nn.Module):
 
     def double(self) -> ModelEma:
         return self.to(torch.float64)
+
+    def type(self, dst_type) -> ModelEma:
+        if not isinstance(dst_type, torch.dtype):  # nn.Module's also takes tensor type names
+            raise TypeError(f"ema.type() takes a torch.dtype, as ema.to(), got {dst_type!r}")
+        return self.to(dst_type)
 
     def _apply(self, fn, recurse=True) -> ModelEma:
         # A parent module's .to() / .cuda() / .half() reaches its children through _apply: the

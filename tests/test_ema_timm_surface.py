@@ -657,6 +657,23 @@ def test_to_dtype_converts_the_average_all_at_once():
             assert torch.equal(weights(ema)[name], expected), name
     ema.float()
     assert weights(ema)["0.weight"].dtype == torch.float32
+    # nn.Module.type reached the EMA through _apply, a no-op: it returned self, unconverted.
+    assert ema.type(torch.float64) is ema and weights(ema)["0.weight"].dtype == torch.float64
+    with pytest.raises(TypeError, match="torch.dtype"):
+        ema.type("torch.HalfTensor")
+    assert weights(ema)["0.weight"].dtype == torch.float64
+
+
+def test_a_non_bool_non_blocking_is_refused_before_anything_changes():
+    """update(non_blocking="no") ran a non_blocking update ("no" is truthy); attach refused it."""
+    model = trained(small_mlp(), 2)
+    ema = fused_ema.ModelEma(model, 0.8)
+    ema.update(model)
+    before = snapshot(ema)
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match="non_blocking must be True or False"):
+            ema.update(model, non_blocking=bad)
+    assert_unchanged(ema, before)
 
 
 def test_to_a_device_and_refusals_change_nothing():

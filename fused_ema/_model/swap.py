@@ -98,12 +98,9 @@ def _swap_values(a, b, scratch, state, into: int) -> None:
 
 
 def _exchangeable(target: torch.Tensor, partner: torch.Tensor) -> bool:
-    same = (target.shape, target.dtype, target.device) == (
-        partner.shape,
-        partner.dtype,
-        partner.device,
-    )
-    return same and storage_shortfall(target) is None
+    """Whether the model tensor still is what its partner was made for, with its memory."""
+    kind = (target.shape, target.dtype, target.device)
+    return kind == (partner.shape, partner.dtype, partner.device) and not storage_shortfall(target)
 
 
 def _partner(ema: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
