@@ -256,6 +256,7 @@ FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights, bool rea
                     dtype_name(type));
   TORCH_CHECK(!(weights.requires_grad() && grad_mode_enabled()), op, name,
               " requires grad; the EMA update is not differentiable");
+  check_storage(weights, op, name);  // read here or by the kernel: freed memory would crash
   const auto tracks = static_cast<size_t>(weights.numel());
   const int64_t stride = weights.dim() == 0 ? 0 : weights.stride(0);
   if (!weights.is_cpu() || !read) {
@@ -300,6 +301,7 @@ FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weig
   TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
                     "step must be one int64 element (a 0-dim tensor), got ",
                     dtype_name(step.scalar_type()), " of shape ", step.sizes());
+  check_storage(step, op, "step");
   const bool on_host = step.is_cpu() && read;
   call.rounding = {seeds, on_host ? static_cast<uint64_t>(*step.const_data_ptr<int64_t>()) : 0,
                    on_host ? nullptr : &step, keys, offsets};

@@ -135,8 +135,8 @@ class TrackSet(nn.Module):
         return LoadResult(
             results[0][1].format,
             *(
-                [f"{name}.{key}" for name, result in results for key in result[field]]
-                for field in (1, 2, 3)  # missing, unexpected, mismatched keys
+                [f"{name}.{key}" for name, result in results for key in getattr(result, field)]
+                for field in ("missing_keys", "unexpected_keys", "mismatched_keys")
             ),
         )
 
@@ -164,10 +164,10 @@ class TrackSet(nn.Module):
         elif header_step is not None and steps and not is_value(header_step, steps[0]):
             problems.append(f"step {header_step!r} beside EMAs at step {steps[0]}")
         if not problems:
+            for track, (load, rounding) in zip(self._tracks, prepared):
+                track._state.warn_precision(load.options, rounding)
             writes = [track._state.load_writes(*p) for track, p in zip(self._tracks, prepared)]
             commit_loads([*writes, ([], [lambda: self._restore_header(header)])])
-            for track in self._tracks:
-                track._state.warn_precision()
         return problems
 
     def _load_from_state_dict(

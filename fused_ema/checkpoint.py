@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -21,7 +20,7 @@ from ._dist import zero3
 from ._dist.dtensor import is_dtensor, local
 from ._model.name_filters import check_name_patterns
 from ._model.walk import checkpoint_prefix_levels
-from ._update.schedule import options_from_state, whole_number
+from ._update.schedule import MAX_STEP, options_from_state, whole_number
 from .errors import CheckpointError
 from .ops import storage_shortfall
 
@@ -52,6 +51,9 @@ def _as_step(value, key: str, problems: list[str]) -> int | None:
                 f"'{key}' should hold one number, got a {value.layout} tensor of shape "
                 f"{list(value.shape)}{' on meta' if value.is_meta else ''}"
             )
+            return None
+        if storage_shortfall(value) is not None:  # reading it would crash the process
+            problems.append(f"'{key}' is a tensor whose memory was freed")
             return None
         value = value.item()
     if isinstance(value, float) and value.is_integer():
@@ -278,13 +280,42 @@ def _fsync(path, flags: int) -> None:
 # ---------------------------------------------------------------------- loading into an EMA
 
 
-class LoadResult(NamedTuple):
-    """What load_state_dict matched; with strict=False the unmatched parts are listed here."""
+class LoadResult(tuple):
+    """What load_state_dict matched; with strict=False the unmatched parts are listed here. It
+    unpacks as torch's result does, ``missing, unexpected = ema.load_state_dict(...)``, and also
+    names the `format` it recognised and the `mismatched_keys` (wrong shape, dtype or values)."""
 
-    format: str
-    missing_keys: list[str]
-    unexpected_keys: list[str]
-    mismatched_keys: list[str]
+    def __new__(cls, format: str, missing_keys: list, unexpected_keys: list, mismatched_keys: list):
+        result = super().__new__(cls, (missing_keys, unexpected_keys))
+        result.format, result.mismatched_keys = format, mismatched_keys
+        return result
+
+    missing_keys = property(lambda self: self[0])
+    unexpected_keys = property(lambda self: self[1])
+
+    def __getnewargs__(self):  # pickle and copy
+        return self.format, *self, self.mismatched_keys
+
+    def __eq__(self, other):
+        if not isinstance(other, LoadResult):
+            return tuple.__eq__(self, other)
+        return (*self, self.format, self.mismatched_keys) == (
+            *other,
+            other.format,
+            other.mismatched_keys,
+        )
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadResult(format={self.format!r}, missing_keys={self[0]!r}, "
+            f"unexpected_keys={self[1]!r}, mismatched_keys={self.mismatched_keys!r})"
+        )
 
 
 @dataclass
@@ -342,9 +373,12 @@ def _range_problem(name: str, tensor: torch.Tensor, ema: torch.Tensor) -> str | 
     else:
         low, high = torch.iinfo(ema.dtype).min, torch.iinfo(ema.dtype).max
     values = tensor.detach()
-    if values.dtype in (torch.uint16, torch.uint32, torch.uint64):  # no min/max of their own
-        values = values.long()  # (a uint64 past 2**63 reads negative: still refused if unsigned)
+    unsigned = values.dtype in (torch.uint16, torch.uint32, torch.uint64)
+    if unsigned:  # no min/max of their own
+        values = values.long()
     least, most = int(values.min().item()), int(values.max().item())
+    if unsigned and least < 0:  # a uint64 past 2**63 - 1 reads negative as an int64
+        return f"{name}: values past {2**63 - 1} do not fit the EMA's {ema.dtype}: they would wrap"
     if low <= least and most <= high:
         return None
     return (
@@ -435,6 +469,11 @@ def prepare_load(
             fatal.append(
                 f"it holds {len(parsed.positional)} parameters in order but the model has "
                 f"{len(params)}"
+                if param_names or not policy.ignore
+                else f"it holds {len(parsed.positional)} parameters in order, and the EMA follows "
+                f"{len(params)} (ignore_names leaves some out): their positions in the model are "
+                "known once the EMA follows it again (a copy or unpickled EMA: ema.update(model) "
+                "or ema.resync(model) first)"
             )
             weights = {}
     if policy.ignore:
@@ -480,7 +519,8 @@ def prepare_load(
         if problem:
             problems.append(problem)
             mismatched.append(name)
-        elif first_name == name:
+        elif first_name == name or not first_fit:  # the first name of the tie that fits
+            covered[id(entry)] = (name, tensor, True)
             pairs.append((entry, tensor))
     fatal += _partition_problems(parsed.partition, zero3.holder(table.entries) if sliced else None)
     missing = [e.name for e in table.entries if id(e) not in covered]
@@ -509,7 +549,7 @@ def prepare_load(
     if step is None:
         step = parsed.step
     if step is None:
-        step = options["update_after_step"] + 1
+        step = min(options["update_after_step"] + 1, MAX_STEP)
         if options["warmup"] is not None:
             warnings.warn(
                 f"fused_ema: this {parsed.format} stores no step, so the EMA loads at step {step} "

@@ -227,8 +227,8 @@ class ModelEma(TimmAttributes, nn.Module):
         (matched by identity, then by name and shape), new or reshaped ones start from the model,
         removed ones go."""
         self._ready("resync")
-        self._binding.resync(self, unwrap_model(model), self._schedule)
         self._state.warn_precision()
+        self._binding.resync(self, unwrap_model(model), self._schedule)
 
     def set(self, model: nn.Module) -> None:
         """timm ModelEmaV3.set: copies the model's current weights into the EMA (cast to its
@@ -268,9 +268,9 @@ class ModelEma(TimmAttributes, nn.Module):
         or nothing. A sharded (DTensor) EMA cannot move."""
         device, dtype, non_blocking = parse_to(args, kwargs)
         self._ready("to")
-        move(self, self._binding, self._schedule, device, dtype, non_blocking)
         if dtype is not None:
-            self._state.warn_precision()
+            self._state.warn_precision(dtype=dtype)
+        move(self, self._binding, self._schedule, device, dtype, non_blocking)
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> ModelEma:
@@ -296,6 +296,12 @@ class ModelEma(TimmAttributes, nn.Module):
         if not isinstance(dst_type, torch.dtype):  # nn.Module's also takes tensor type names
             raise TypeError(f"ema.type() takes a torch.dtype, as ema.to(), got {dst_type!r}")
         return self.to(dst_type)
+
+    def share_memory(self) -> ModelEma:
+        """Moves the EMA's CPU tensors (ema.module's) to shared memory, for torch.multiprocessing
+        (nn.Module's went through _apply, which leaves the EMA as it is)."""
+        self.module.share_memory()
+        return self
 
     def _apply(self, fn, recurse=True) -> ModelEma:
         # A parent module's .to() / .cuda() / .half() reaches its children through _apply: the
@@ -335,8 +341,12 @@ class ModelEma(TimmAttributes, nn.Module):
         without its tensors) with the EMA tensors as its weights, shared, not stored twice, and
         the model's own non-persistent buffers (one copy on the EMA's device where the EMA lives
         on another). For a model deepcopy refuses (FSDP2, locks, handles) it runs the model
-        itself with the EMA swapped in for each call (see swapped())."""
-        self.synchronize()
+        itself with the EMA swapped in for each call (see swapped()). Refused inside swapped(),
+        where its tensors hold the model's weights (its state_dict() would save those)."""
+        self._updater.ready(
+            error="ema.module inside `with ema.swapped(model)`: the EMA tensors hold the model's "
+            "weights until the block ends (inside it, the model holds the EMA's)"
+        )
         return self._binding.module_for(self)
 
     @contextlib.contextmanager
@@ -391,6 +401,7 @@ class ModelEma(TimmAttributes, nn.Module):
         plain state dicts store none) from update_after_step + 1: it has started, and the next
         update averages.
         """
+        self._refuse_in_set("load_state_dict", "set")
         self._ready("load_state_dict")
         return self._state.apply(*self._state.prepare(state, strict, step))
 
@@ -398,6 +409,7 @@ class ModelEma(TimmAttributes, nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
         """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing."""
+        self._refuse_in_set("load_state_dict", "set")
         self._ready("load_state_dict")
         prepared = self._state.prepare_nested(
             state_dict, prefix, local_metadata, missing_keys, unexpected_keys, errors

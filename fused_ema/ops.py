@@ -47,7 +47,7 @@ def lerp_(
             weight = _float(weight, _LERP_OP, "weight")
     else:
         raise TypeError(f"{_LERP_OP}weight must be a float or a 0-dim tensor, got {_type(weight)}")
-    (ema,), src, _ = _local([ema], src)
+    (ema,), src, _ = _local(_LERP_OP, {"ema": ema}, src)
     try:
         op(ema, src, weight)
     except RuntimeError:
@@ -93,7 +93,7 @@ def lerp_stochastic_(
         raise TypeError(f"{_SR_OP}seed must be an int, got {_type(seed)}")
     keys = list(range(len(ema))) if keys is None else _int_list(keys, _SR_OP, "keys")
     offsets = [0] * len(ema) if offsets is None else _int_list(offsets, _SR_OP, "offsets")
-    (ema,), src, offsets = _local([ema], src, offsets)
+    (ema,), src, offsets = _local(_SR_OP, {"ema": ema}, src, offsets)
     try:
         torch.ops.fused_ema.lerp_stochastic_(
             ema, src, weight, step, _as_int64(seed, "seed"), keys, offsets
@@ -148,7 +148,9 @@ def lerp_many_(
         seeds = _track_seeds(seed, len(tracks))
         keys = _track_keys(keys, len(tracks), len(src))
         offsets = [0] * len(src) if offsets is None else _int_list(offsets, _MANY_OP, "offsets")
-    tracks, src, offsets = _local(tracks, src, offsets)
+    tracks, src, offsets = _local(
+        _MANY_OP, {f"emas[{k}]": t for k, t in enumerate(tracks)}, src, offsets
+    )
     flat = [t for track in tracks for t in track]
     try:
         if seed is None:
@@ -220,7 +222,7 @@ def bema_(
     """
     src, *lists = _aligned(_BEMA_OP, ("src", src), ("ema", ema), ("theta0", theta0), ("out", out))
     weights = _weights(weights, 3, _BEMA_OP, ("beta", "w0", "alpha"))
-    lists, src, _ = _local(lists, src)
+    lists, src, _ = _local(_BEMA_OP, dict(zip(("ema", "theta0", "out"), lists)), src)
     try:
         torch.ops.fused_ema.bema_(*lists, src, weights)
     except RuntimeError:
@@ -367,16 +369,22 @@ def _name_non_tensors(op: str, **lists) -> None:
                 raise TypeError(f"{op}{name}[{i}] must be a tensor, got {_type(t)}") from None
 
 
-def _local(lists: list, src: list, offsets: list | None = None) -> tuple:
-    """(lists, src, offsets) with DTensors as their local shards (lerp is elementwise: each rank
-    updating its own shard is the whole update), `offsets` (one per src tensor, unless its length
-    is wrong: C++ reports that) moved on by the index of each shard's first element in its full
-    tensor. Plain tensors' lists come back as they are."""
+def _local(op: str, named: dict, src: list, offsets: list | None = None) -> tuple:
+    """(lists, src, offsets): the lists of `named` (by their names in op's errors) and src with
+    DTensors as their local shards (lerp is elementwise: each rank updating its own shard is the
+    whole update), `offsets` (one per src tensor, unless its length is wrong: C++ reports that)
+    moved on by the index of each shard's first element in its full tensor (the first list's).
+    Plain tensors' lists come back as they are."""
+    lists = list(named.values())
     if not (any_dtensor(src) or any(any_dtensor(tensors) for tensors in lists)):
         return lists, src, offsets
+    first = next(iter(named))
     if offsets is not None and len(offsets) == len(src):
-        offsets = [o + shard_offset(e, i) for i, (o, e) in enumerate(zip(offsets, lists[0]))]
-    shards = [shard_lists(tensors, src) for tensors in lists]
+        offsets = [
+            o + shard_offset(e, f"{op}{first}[{i}]")
+            for i, (o, e) in enumerate(zip(offsets, lists[0]))
+        ]
+    shards = [shard_lists(tensors, src, op, name) for name, tensors in named.items()]
     return [tensors for tensors, _ in shards], shards[0][1], offsets
 
 

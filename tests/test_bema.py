@@ -347,3 +347,20 @@ def test_a_compiled_training_step_updates_bema_as_eager_does():
         assert a.step == b.step == 5
         for name, value in b.state_dict()["weights"].items():
             assert torch.equal(value, a.state_dict()["weights"][name]), name
+
+
+def test_16_bit_tracks_of_bema_and_posthoc_give_no_warning_about_a_decay_they_do_not_apply():
+    """PrecisionWarning read decay=1.0, the placeholder of Bema's and PostHocEma's tracks, and
+    told Bema to keep stochastic_rounding=True, which it does not take."""
+    import warnings
+
+    from fused_ema.posthoc import PostHocEma
+
+    model = net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fused_ema.PrecisionWarning)
+        bema = Bema(model, dtype=torch.bfloat16)
+        bema.load_state_dict(bema.state_dict())
+        PostHocEma(model, (0.05, 0.1), dtype=torch.bfloat16, stochastic_rounding=False)
+    with pytest.warns(fused_ema.PrecisionWarning, match="decay 0.9999"):
+        fused_ema.ModelEma(model, 0.9999, dtype=torch.bfloat16, stochastic_rounding=False)

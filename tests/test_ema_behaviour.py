@@ -666,3 +666,48 @@ def test_ema_to_under_inference_mode_leaves_tensors_later_updates_can_write():
     for name, value in model.state_dict().items():
         expected = start[name] + 0.25 * (value.double() - start[name])
         assert torch.allclose(ema.state_dict()["weights"][name], expected, rtol=0, atol=1e-12)
+
+
+def test_ema_module_inside_swapped_is_refused_rather_than_handing_out_the_models_weights():
+    """Inside swapped() the EMA's tensors hold the model's weights: ema.module.state_dict() (the
+    README's checkpoint recipe) saved those as the EMA's."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 2))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model)
+    averaged = ema.module.state_dict()["0.weight"].clone()
+    with ema.swapped(model):
+        with pytest.raises(RuntimeError, match="ema.module inside `with ema.swapped"):
+            ema.module.state_dict()
+        assert torch.equal(model[0].weight, averaged)  # the model holds the EMA's weights
+    assert torch.equal(ema.module.state_dict()["0.weight"], averaged)
+
+
+def test_share_memory_moves_the_ema_tensors_to_shared_memory_and_updates_continue():
+    """nn.Module.share_memory() went through _apply, which leaves the EMA as it is: a no-op."""
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ema = fused_ema.ModelEma(model, decay=0.5)
+    ema.update(model)
+    before = ema.module[0].weight.double().clone()
+    assert ema.share_memory() is ema
+    assert all(t.is_shared() for t in ema.module.state_dict().values())
+    with torch.no_grad():
+        model[0].weight.add_(torch.randn(4, 4))
+    ema.update(model)
+    expected = before.lerp(model[0].weight.double(), 0.5)
+    torch.testing.assert_close(ema.module[0].weight.double(), expected, rtol=0, atol=1e-6)
+    assert ema.module[0].weight.is_shared()
+
+
+def test_raising_the_decay_of_a_16_bit_round_to_nearest_ema_warns_before_it_changes():
+    model = nn.Linear(4, 4)
+    ema = fused_ema.ModelEma(model, 0.5, dtype=torch.bfloat16, stochastic_rounding=False)
+    with pytest.warns(fused_ema.PrecisionWarning, match="decay 0.9999"):
+        ema.decay = 0.9999
+    with warnings.catch_warnings(), pytest.raises(fused_ema.PrecisionWarning):
+        warnings.simplefilter("error")
+        ema.decay = 0.99999
+    assert ema.decay == 0.9999

@@ -410,6 +410,48 @@ def test_a_model_tensor_sharing_the_emas_memory_is_named_and_changes_nothing(nam
     torch.testing.assert_close(ema.state_dict()["weights"][name], expected, rtol=0, atol=1e-6)
 
 
+def test_ema_tensors_converted_through_ema_module_are_named_and_change_nothing():
+    """ema.module.double() converts the EMA's tensors under the EMA: the ops refuse the dtype pair
+    by list index; ModelEma names the tensors and the way out, and changes nothing."""
+    model, ema = moved_ema()
+    ema.module.double()
+    before = state_of(ema)
+    hold = r"EMA tensors hold a dtype .*0\.weight \(torch.float64, the model's torch.float32\)"
+    with pytest.raises(ValueError, match=hold):
+        ema.update(model)
+    assert_same_state(ema, before)
+    ema.to(torch.float32)
+    ema.update(model)  # averaged again once converted as a whole
+    expected = before[0]["0.weight"].lerp(model[0].weight.double(), 0.5).float()
+    torch.testing.assert_close(ema.module[0].weight, expected, rtol=0, atol=1e-6)
+    model.double()  # the model's dtype moved, not the EMA's: the cast source is not the error
+    model[1].running_mean.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="running_mean has no memory") as error:
+        ema.update(model)
+    assert "EMA tensors hold" not in str(error.value)
+
+
+@pytest.mark.parametrize("call", ["swapped", "copy_to"])
+def test_an_expanded_model_tensor_is_named_before_the_ema_writes_into_it(call):
+    """A buffer made by expand() holds one memory location for many elements: writing the EMA's
+    values into it is refused by name, before anything changes."""
+    model, ema = moved_ema(on_mismatch="resync")
+    model.register_buffer("grid", torch.randn(16, 1).expand(16, 3))
+    ema.update(model)
+    before, model_before = state_of(ema), model_values(model)
+    with pytest.raises(ValueError, match="the model's tensors grid repeat one memory location"):
+        if call == "copy_to":
+            ema.copy_to(model)
+        else:
+            with ema.swapped(model):
+                pytest.fail("swapped into an expanded tensor")
+    assert_same_state(ema, before)
+    assert_model_unchanged(model, model_before)
+    model.grid = model.grid.clone()
+    ema.copy_to(model)
+    assert torch.equal(model[0].weight, ema.module[0].weight)
+
+
 @pytest.mark.parametrize("delay_ms", [0.2, 1, 3, 8, 20, 50])
 def test_an_interrupt_during_an_update_is_all_or_nothing(delay_ms):
     if threading.current_thread() is not threading.main_thread():

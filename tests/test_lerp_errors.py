@@ -499,3 +499,68 @@ def test_a_list_item_that_is_no_tensor_is_named(call, message):
     with pytest.raises(TypeError, match=message):
         call(ema, src)
     assert torch.equal(ema, before) and ema._version == 0
+
+
+def test_dtensor_pairing_errors_name_the_op_and_the_list():
+    """A DTensor beside a plain tensor: the error named fused_ema.lerp_ and ema[i] whatever the op
+    and list (lerp_many_'s emas[k][i], bema_'s theta0[i] and out[i])."""
+    dist = pytest.importorskip("torch.distributed")
+    tensor_api = pytest.importorskip("torch.distributed.tensor")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+
+        def shard(t):
+            return tensor_api.DTensor.from_local(
+                t, mesh, [tensor_api.Shard(0)], run_check=False, shape=(12,), stride=(1,)
+            )
+
+        src = [torch.randn(8), shard(torch.randn(3))]
+        sharded = [torch.randn(8), shard(torch.randn(3))]
+        plain = [torch.randn(8), torch.randn(3)]
+        before = [t.clone() for t in plain]
+        calls = {
+            r"fused_ema.lerp_many_: src\[1\] is a DTensor but emas\[1\]\[1\]": lambda: (
+                fused_ema.lerp_many_([sharded, plain], src, [0.1, 0.2])
+            ),
+            r"fused_ema.bema_: src\[1\] is a DTensor but out\[1\]": lambda: fused_ema.bema_(
+                sharded, [torch.randn(8), shard(torch.randn(3))], plain, src, (0.1, 0.2, 0.3)
+            ),
+            r"fused_ema.lerp_stochastic_: src\[1\] is a DTensor but ema\[1\]": lambda: (
+                fused_ema.lerp_stochastic_([t.bfloat16() for t in plain], src, 0.1, seed=0, step=0)
+            ),
+        }
+        for message, call in calls.items():
+            with pytest.raises(ValueError, match=message):
+                call()
+        assert all(torch.equal(a, b) for a, b in zip(plain, before))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("what", ["freed", "shrunk"])
+def test_a_weight_or_step_tensor_without_its_memory_is_refused_by_name(what):
+    """The weights and step tensors' storage was not checked: a shrunk one was read past its end
+    (heap garbage used as the weight), a freed one gave torch's message naming nothing."""
+
+    def without_memory(t):
+        t.untyped_storage().resize_(0 if what == "freed" else 4)
+        return t
+
+    src = [torch.randn(5)]
+    emas = [[torch.randn(5)], [torch.randn(5)]]
+    before = [t[0].clone() for t in emas]
+    weights = without_memory(torch.tensor([0.25] * 64, dtype=torch.float32)[60:62])
+    with pytest.raises(ValueError, match=r"lerp_many_: weights's storage holds \d+ bytes"):
+        fused_ema.lerp_many_(emas, src, weights)
+    weight = without_memory(torch.tensor([0.0, 0.0, 0.1], dtype=torch.float64)[2])
+    with pytest.raises(ValueError, match=r"lerp_: weight's storage holds"):
+        fused_ema.lerp_(emas[0], src, weight)
+    step = without_memory(torch.tensor([0, 0, 3])[2])
+    bf16 = [torch.randn(5).bfloat16()]
+    with pytest.raises(ValueError, match=r"lerp_stochastic_: step's storage holds"):
+        fused_ema.lerp_stochastic_(bf16, src, 0.1, seed=0, step=step)
+    assert all(torch.equal(t[0], b) for t, b in zip(emas, before))

@@ -4,6 +4,7 @@ the weights of one with the step of another. And the checks a load makes before 
 names, a checkpoint made of the EMA's own tensors, the tracks of a PostHocEma or Bema."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -315,3 +316,114 @@ def test_a_load_whose_copy_fails_leaves_the_settings_as_they_were():
     assert target.step == step and target.schedule == schedule
     assert all(torch.equal(weights(target)[k], v) for k, v in before.items())
     target.update(trained(model, 1, seed=77))  # still usable
+
+
+def _unchanged(ema, before_weights, before_step):
+    assert ema.step == before_step
+    for name, value in weights(ema).items():
+        assert torch.equal(value, before_weights[name]), name
+
+
+def test_uint64_values_past_int64_are_refused_not_wrapped():
+    model, checkpoint, target = source_and_target()
+    before, step = weights(target), target.step
+    big = torch.tensor(2**63 + 5, dtype=torch.uint64)
+    checkpoint["weights"]["1.num_batches_tracked"] = big
+    with pytest.raises(
+        CheckpointError, match="1.num_batches_tracked: values past 9223372036854775807"
+    ):
+        target.load_state_dict(checkpoint)
+    _unchanged(target, before, step)
+
+
+class _TiedEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("order", [("head.weight", "emb.weight"), ("emb.weight", "head.weight")])
+def test_strict_false_loads_the_name_of_a_tie_that_fits_whatever_the_key_order(order):
+    ema = ModelEma(_TiedEmbedding(), 0.9)
+    good = torch.randn(6, 4)
+    values = {"head.weight": torch.randn(3, 3), "emb.weight": good}  # head.weight: wrong shape
+    result = ema.load_state_dict(
+        {**ema.state_dict(), "weights": {k: values[k] for k in order}}, False
+    )
+    assert torch.equal(ema.module.emb.weight, good)
+    assert result.mismatched_keys == ["head.weight"] and result.missing_keys == []
+
+
+def test_a_precision_warning_raised_as_an_error_leaves_the_ema_unloaded():
+    model = small_mlp()
+    with pytest.warns(fused_ema.PrecisionWarning):
+        source = ModelEma(model, 0.999, dtype=torch.bfloat16, stochastic_rounding=False)
+    source.update(trained(model, 1, seed=3), step=5)
+    target = ModelEma(model, 0.999, dtype=torch.bfloat16)  # stochastic rounding: no warning
+    before, step = weights(target), target.step
+    with warnings.catch_warnings(), pytest.raises(fused_ema.PrecisionWarning):
+        warnings.simplefilter("error")  # as pytest -W error, python -W error
+        target.load_state_dict(source.state_dict())
+    _unchanged(target, before, step)
+    assert target.stochastic_rounding is True
+
+
+def _freed_step():
+    step = torch.tensor([7, 8], dtype=torch.int64)[1:]
+    step.untyped_storage().resize_(0)
+    return step
+
+
+@pytest.mark.parametrize("call", ["load step=", "ema.step =", "update step=", "checkpoint step"])
+def test_a_freed_step_tensor_is_refused_by_name(call):
+    model, checkpoint, target = source_and_target()
+    before, step = weights(target), target.step
+    error = CheckpointError if call == "checkpoint step" else ValueError
+    with pytest.raises(error, match="step'? is a tensor whose memory was freed"):
+        if call == "load step=":
+            target.load_state_dict(checkpoint, step=_freed_step())
+        elif call == "ema.step =":
+            target.step = _freed_step()
+        elif call == "update step=":
+            target.update(model, step=_freed_step())
+        else:
+            target.load_state_dict({**checkpoint, "step": _freed_step()})
+    _unchanged(target, before, step)
+
+
+def test_loading_one_track_of_a_set_is_refused():
+    model = small_mlp()
+    posthoc = PostHocEma(model, sigma_rels=(0.05, 0.1))
+    posthoc.update(trained(model, 1, seed=4))
+    plain = ModelEma(model, 0.9)
+    before = weights(posthoc[0])
+    with pytest.raises(RuntimeError, match="load_state_dict on one of a PostHocEma's tracks"):
+        posthoc[0].load_state_dict(plain.state_dict())
+    _unchanged(posthoc[0], before, 1)
+    posthoc.load_state_dict(posthoc.state_dict())  # the set's own checkpoint still loads
+
+
+def test_a_positional_checkpoint_into_a_copy_with_ignore_names_says_what_to_do():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ema = ModelEma(model, 0.9, buffers="ignore", ignore_names=["0.bias"])
+    positional = {"shadow_params": [p.detach() + 1 for p in model.parameters()], "decay": 0.9}
+    copied = copy.deepcopy(ema)
+    with pytest.raises(CheckpointError, match=r"ema.update\(model\) or ema.resync\(model\) first"):
+        copied.load_state_dict(positional)
+    copied.resync(model)
+    copied.load_state_dict(positional)
+    assert torch.equal(copied.module[1].weight, model[1].weight + 1)
+
+
+def test_a_load_result_unpacks_as_torchs():
+    model, checkpoint, target = source_and_target()
+    del checkpoint["weights"]["0.bias"]
+    missing, unexpected = target.load_state_dict(checkpoint, strict=False)
+    assert (missing, unexpected) == (["0.bias"], [])
+    result = target.load_state_dict(checkpoint, strict=False)
+    assert result.format == "fused_ema" and result.mismatched_keys == []
+    assert copy.deepcopy(result) == result and result != fused_ema.LoadResult(
+        "x", ["0.bias"], [], []
+    )

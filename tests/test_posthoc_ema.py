@@ -694,3 +694,59 @@ def test_every_track_follows_a_structure_change_or_refuses_it_whole():
     for ema in following.emas:
         assert ema.step == 3
         assert torch.equal(ema.state_dict()["weights"]["4.weight"], model[4].weight)
+
+
+@pytest.mark.parametrize("call", ["update(step=)", "save_snapshot"])
+def test_a_resumed_run_still_refuses_a_snapshot_step_that_does_not_grow(tmp_path, call):
+    """A resumed PostHocEma forgot the last snapshot's update count: update(step=) going back, or
+    save_snapshot() at an update count that has one, wrote a snapshot that made the folder
+    unusable for synthesis. It reads that count from the folder now."""
+    from fused_ema.posthoc import list_snapshots
+
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1), snapshot_every=4, snapshot_dir=tmp_path)
+    train(model, 10 if call == "save_snapshot" else 12, lambda t: ph.update(model, step=t))
+    if call == "save_snapshot":
+        ph.save_snapshot()  # at update count 10
+    ph.load_state_dict(copy.deepcopy(ph.state_dict()))
+    before, files = weights_of(ph.emas), sorted(tmp_path.iterdir())
+    if call == "save_snapshot":
+        ph.save_snapshot()  # none: this update count has one
+    else:
+        with pytest.raises(ValueError, match="snapshot steps must grow"):
+            ph.update(model, step=8)
+    ph.close()
+    assert sorted(tmp_path.iterdir()) == files and same_weights(before, ph.emas)
+    steps = [s.step for s in list_snapshots(tmp_path) if s.ema_index == 0]
+    assert steps == ([4, 8, 10] if call == "save_snapshot" else [4, 8, 12])
+    assert ph.synthesize(0.07)  # the folder is still usable
+
+
+def test_a_fresh_run_refuses_a_folder_of_ema_pytorch_checkpoints(tmp_path):
+    from test_posthoc_synthesis import ema_pytorch_run
+
+    from fused_ema.posthoc import synthesize
+
+    ema_pytorch_run(tmp_path, steps=6, every=3, sigma_rels=(0.05, 0.28))
+    files = sorted(tmp_path.iterdir())
+    model = net()
+    ours = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path)
+    ours.update(model)
+    with pytest.raises(RuntimeError, match="holds ema-pytorch PostHocEMA checkpoints"):
+        ours.update(model)
+    assert ours.step == 1 and sorted(tmp_path.iterdir()) == files
+    assert synthesize(tmp_path, sigma_rel=0.1, tracked_sigma_rels=(0.05, 0.28))
+
+
+def test_a_checkpoint_of_another_snapshot_every_is_refused(tmp_path):
+    model = net()
+    source = PostHocEma(model, (0.05, 0.1), snapshot_every=5, snapshot_dir=tmp_path / "a")
+    train(model, 6, lambda t: source.update(model))
+    target = PostHocEma(model, (0.05, 0.1), snapshot_every=3, snapshot_dir=tmp_path / "b")
+    before = weights_of(target.emas)
+    with pytest.raises(
+        CheckpointError, match="snapshot_every 5: this PostHocEma snapshots every 3"
+    ):
+        target.load_state_dict(source.state_dict())
+    assert target.step == 0 and same_weights(before, target.emas)
+    source.close()

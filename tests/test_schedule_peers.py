@@ -208,6 +208,8 @@ def test_compensated_update_every_differs_from_plain():
         (dict(use_warmup="no"), "use_warmup must be True, False or None, got 'no'"),
         (dict(use_warmup=1), "use_warmup must be True, False or None"),
         (dict(use_warmup=torch.tensor(False)), "use_warmup must be True, False or None"),
+        (dict(exclude_buffers="no"), "exclude_buffers must be True, False or None, got 'no'"),
+        (dict(exclude_buffers=torch.tensor(True)), "exclude_buffers must be True, False or None"),
         # warmup=True used (1, 2/3) whatever timm's warmup_gamma / warmup_power said
         (dict(warmup=True, warmup_gamma=10.0), r"warmup_gamma=10.0 .* use_warmup=True"),
         (dict(warmup="diffusers", warmup_power=0.5), "give warmup=\\(gamma, power\\)"),

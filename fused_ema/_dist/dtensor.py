@@ -107,19 +107,20 @@ def any_dtensor(tensors) -> bool:
     return DTensor is not None and any(issubclass(c, DTensor) for c in set(map(type, tensors)))
 
 
-def shard_lists(ema: list, src: list) -> tuple[list, list]:
+def shard_lists(ema: list, src: list, op: str, name: str) -> tuple[list, list]:
     """The local shards of DTensor pairs sharded alike: lerp is elementwise, so each rank
-    updating its own shard is the whole update."""
+    updating its own shard is the whole update. `op` ("fused_ema.lerp_: ") and `name` (the
+    list's, "ema") name them in errors."""
     ema_local, src_local = [], []
     for i, (e, s) in enumerate(zip(ema, src)):
         if is_dtensor(e) != is_dtensor(s):
-            which, other = ("ema", "src") if is_dtensor(e) else ("src", "ema")
-            raise ValueError(f"fused_ema.lerp_: {which}[{i}] is a DTensor but {other}[{i}] is not")
+            which, other = (name, "src") if is_dtensor(e) else ("src", name)
+            raise ValueError(f"{op}{which}[{i}] is a DTensor but {other}[{i}] is not")
         if is_dtensor(e):
             check_averageable(f"src[{i}]", s)
             if sharding(e) != sharding(s):
                 raise ValueError(
-                    f"fused_ema.lerp_: ema[{i}] and src[{i}] are sharded differently "
+                    f"{op}{name}[{i}] and src[{i}] are sharded differently "
                     f"({e.placements} on {e.device_mesh} vs {s.placements} on {s.device_mesh})"
                 )
         ema_local.append(local(e))
@@ -127,7 +128,7 @@ def shard_lists(ema: list, src: list) -> tuple[list, list]:
     return ema_local, src_local
 
 
-def shard_offset(t: torch.Tensor, index: int) -> int:
+def shard_offset(t: torch.Tensor, name: str) -> int:
     """The row-major index, in the full tensor, of the first element of this rank's shard of `t`
     (0 for a plain or replicated tensor). The shard must be one row-major block of the full
     tensor (Shard(0), as FSDP2 shards), else there is no such single index."""
@@ -150,7 +151,7 @@ def shard_offset(t: torch.Tensor, index: int) -> int:
     first = cut[0]
     if any(full[d] != 1 for d in range(first)) or any(d != first for d in cut):
         raise ValueError(
-            f"fused_ema.lerp_stochastic_: ema[{index}] is sharded as {t.placements} on "
+            f"{name} is sharded as {t.placements} on "
             f"{t.device_mesh}, so its shard is not one row-major block of the full tensor; "
             "stochastic rounding of DTensors needs Shard(0) (or Replicate) placements"
         )

@@ -11,6 +11,7 @@ import weakref
 import torch
 from torch import nn
 
+from .._ext.grad import outside_inference_mode
 from .tracking import average_dtype, unbound
 
 
@@ -33,6 +34,7 @@ class EmaForwardCheck:
         return {"_ema": unbound}  # a pickled copy of the module no longer belongs to an EMA
 
 
+@outside_inference_mode  # its copies are written by BatchNorm (ema.train()) and ema.to()
 def build_module(ema, entries, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """The model's module tree with the EMA tensors standing in for its own (a deepcopy whose
     memo already holds them), in the EMA's mode (eval unless ema.train()), without gradients.
@@ -41,16 +43,6 @@ def build_module(ema, entries, model: nn.Module, dtype: torch.dtype | None = Non
     on the device the EMA moved them to (a CPU EMA of a CUDA model). A tensor the EMA leaves out
     (ignore_names, buffers="ignore") is a copy on that device too, a floating one in the dtype
     the EMA averages it in (`dtype`, the EMA's dtype=), so that the module runs."""
-    # Built at its first use, perhaps under torch.inference_mode(): its copies must be normal
-    # tensors, which its BatchNorm (ema.train()) and ema.to() write outside that mode. Switched
-    # only there: the mode's context manager is Python, which an interrupt can split.
-    if not torch.is_inference_mode_enabled():
-        return _build_module(ema, entries, model, dtype)
-    with torch.inference_mode(False):
-        return _build_module(ema, entries, model, dtype)
-
-
-def _build_module(ema, entries, model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     memo, devices = {}, {}
     for entry in entries:
         source = entry.bound()

@@ -13,7 +13,7 @@ import torch
 from .._dist import zero3
 from .._dist.dtensor import copy_into, is_dtensor, local, replica_cut, same_memory, sharding
 from .._dist.shard import gather_chunks, gather_into
-from .._ext.grad import without_grad
+from .._ext.grad import outside_inference_mode, without_grad
 from .._ext.loader import _C
 from ..errors import CheckpointError
 from ..ops import storage_shortfall
@@ -24,6 +24,13 @@ SWAP_CHUNK_BYTES = 16 << 20
 
 def check_writable(pairs) -> None:
     """Refuses model tensors the EMA weights cannot be written into, before anything changes."""
+    expanded = [name for name, _, t in pairs if any(s == 0 < n - 1 for n, s in _dims(local(t)))]
+    if expanded:
+        raise ValueError(
+            f"fused_ema: the model's tensors {', '.join(expanded)} repeat one memory location "
+            "along a dimension (made by expand()?), which the EMA's values cannot be written "
+            "into: give the model its own copy (.clone()); nothing was changed"
+        )
     if torch.is_inference_mode_enabled():
         return
     bad = [name for name, _, target in pairs if local(target).is_inference()]
@@ -34,15 +41,17 @@ def check_writable(pairs) -> None:
         )
 
 
+def _dims(t: torch.Tensor):
+    return zip(t.shape, t.stride()) if t.layout == torch.strided else ()
+
+
 class Swap:
     """One swap of (name, EMA tensor, model tensor) pairs, prepared: swap_in() and swap_out() are
     one exchange each, and either may be called again after an interrupt (it then does nothing
     more). Tensors sharing memory need no care: each exchange undoes itself, in reverse order."""
 
+    @outside_inference_mode  # entered under the mode, perhaps left outside it
     def __init__(self, pairs):
-        if torch.is_inference_mode_enabled():  # entered under the mode, perhaps left outside it
-            with torch.inference_mode(False):
-                return self.__init__(pairs)
         self._gathered = [(e, t) for _, e, t in pairs if replica_cut(e, t) is not None]
         self._slices = None  # this rank's chunks of the model's tensors, while the EMA is in
         pairs = [p for p in pairs if replica_cut(p[1], p[2]) is None]

@@ -15,7 +15,7 @@ import torch
 from .._dist import zero3
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._model.walk import PARAM, named_tensors
-from .._update.schedule import rounding_from_state
+from .._update.schedule import BEMA, POWER_FUNCTION, rounding_from_state
 from ..checkpoint import (
     FORMAT,
     FORMAT_VERSION,
@@ -140,8 +140,8 @@ class EmaState:
 
     def apply(self, prepared, rounding) -> LoadResult:
         """Writes what prepare() made; nothing here can fail on the checkpoint's data."""
+        self.warn_precision(prepared.options, rounding)
         commit_loads([self.load_writes(prepared, rounding)])
-        self.warn_precision()
         return prepared.result
 
     def load_writes(self, prepared, rounding) -> tuple[list, list]:
@@ -162,7 +162,9 @@ class EmaState:
         """A parent module's load_state_dict(): fused_ema's own state dict rebuilt from the keys
         under `prefix` and the settings in `metadata`, checked and converted as prepare() does;
         problems go to the parent's lists (it raises for them, or returns them if not strict).
-        Returns what apply() takes, or None when anything was found: all or nothing."""
+        Returns what apply() takes, or None when anything was found: all or nothing. torch does
+        not tell a submodule whether the parent's load is strict, so keys it does not know (or
+        a missing step) also keep the EMA as it was, with a warning saying so."""
         own = {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": {}, "step": None}
         unexpected = []
         for key, value in state_dict.items():
@@ -197,21 +199,36 @@ class EmaState:
         missing_keys.extend(weights + k for k in result.missing_keys)
         unexpected_keys.extend(weights + k for k in result.unexpected_keys)
         errors.extend(weights + problem for problem in prepared[0].problems)
-        found = result.missing_keys or result.unexpected_keys or result.mismatched_keys
-        return None if missing or unexpected or found or filters else prepared
+        keys = [*missing, *unexpected, *(weights + k for k in result.missing_keys)]
+        keys += [weights + k for k in result.unexpected_keys]
+        if result.mismatched_keys or filters:
+            return None
+        if keys:
+            warnings.warn(
+                f"fused_ema: {prefix[:-1] or 'the EMA'} was not loaded: the state dict's keys "
+                f"under it do not match it ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+                "), and torch does not tell the EMA whether the load is strict. Load it with "
+                "ema.load_state_dict(..., strict=False) to take what matches",
+                UserWarning,
+                stacklevel=4,
+            )
+            return None
+        return prepared
 
     # ------------------------------------------------------------------ the rounding setting
 
-    def warn_precision(self) -> None:
+    def warn_precision(self, options=None, rounding=None, dtype=None) -> None:
         """A PrecisionWarning when 16-bit averaged tensors, a high decay and round-to-nearest
-        would lose most updates (raised at the caller of the ModelEma method that called this)."""
-        decay = self.schedule.options["decay"]
-        low = {
-            str(e.ema.dtype)
-            for e in self.binding.table.entries
-            if e.average and e.ema.dtype in _LOW_PRECISION
-        }
-        if low and decay > 0.99 and not self.rounding["stochastic_rounding"]:
+        would lose most updates (raised at the caller of the ModelEma method that called this).
+        Called before a change with what it will give (its schedule options, rounding, dtype), so
+        that a warning raised as an error (-W error) changes nothing."""
+        options = options or self.schedule.options
+        warmup, decay = options["warmup"], options["decay"]
+        if isinstance(warmup, (tuple, list)) and warmup and warmup[0] in (BEMA, POWER_FUNCTION):
+            return  # Bema's and PostHocEma's tracks: their decay= is not the one they apply
+        averaged = [e.ema.dtype for e in self.binding.table.entries if e.average]
+        low = {str(dtype or d) for d in averaged if (dtype or d) in _LOW_PRECISION}
+        if low and decay > 0.99 and not (rounding or self.rounding)["stochastic_rounding"]:
             warnings.warn(
                 f"fused_ema: a {', '.join(sorted(low))} EMA with decay {decay} loses most "
                 f"updates to rounding: a step moves a weight by {1 - decay:.0e} of its "

@@ -65,6 +65,8 @@ def resolve_options(warmup, buffers, schedule, rounding, policy, on_mismatch: st
             f"warmup_gamma={warmup_gamma!r} and warmup_power={warmup_power!r} go with timm's "
             f"use_warmup=True; with warmup={warmup!r}, give warmup=(gamma, power) instead"
         )
+    if exclude_buffers is not None and not isinstance(exclude_buffers, bool):
+        raise ValueError(f"exclude_buffers must be True, False or None, got {exclude_buffers!r}")
     if exclude_buffers:
         if buffers == "ignore":
             raise ValueError(

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from .._dist.dtensor import is_dtensor
+from .._ext.grad import outside_inference_mode
 from .._model.module_view import SwappedModelView
 from .._model.swap import finish_all
 from .options import check_ema_dtype
@@ -27,12 +28,10 @@ def parse_to(args, kwargs):
     return device, dtype, non_blocking
 
 
+@outside_inference_mode
 def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> None:
     """Moves every EMA tensor to `device` and every averaged one to `dtype` (None: unchanged),
     with the step counter and ema.module; all or nothing."""
-    if torch.is_inference_mode_enabled():  # its new tensors are written outside the mode too
-        with torch.inference_mode(False):
-            return move(ema, binding, schedule, device, dtype, non_blocking)
     entries = binding.table.entries
     sharded = [e.name for e in entries if is_dtensor(e.ema)]
     if sharded and device is not None:

@@ -14,7 +14,9 @@ class TimmAttributes:
 
     def _set_option(self, key: str, value) -> None:
         self._ready(f"{key} setter")
-        self._schedule.load(check_options(**{**self._schedule.options, key: value}), None)
+        options = check_options(**{**self._schedule.options, key: value})
+        self._state.warn_precision(options)  # (before: raised as an error, it changes nothing)
+        self._schedule.load(options, None)
 
     @property
     def decay(self) -> float:

@@ -12,7 +12,7 @@ from torch import nn
 
 from .._dist import zero3
 from .._dist.dtensor import is_dtensor, local, refuse_unsharded
-from .._ext.grad import without_grad
+from .._ext.grad import outside_inference_mode, without_grad
 from .._ext.loader import _C
 from .._model.module_view import EmaForwardCheck, SwappedModelView, build_module
 from .._model.tracking import EntryPolicy, EntryTable, unbound
@@ -241,11 +241,5 @@ class Binding:
                     hook._ema = weakref.ref(ema)
 
 
-def _normal(fn, *args):
-    """`fn(*args)` with autograd off, making normal tensors even under torch.inference_mode(): the
-    EMA's tensors (an update or resync there may make new ones) are written outside it too. The
-    mode is switched only there: its context manager is Python, which an interrupt can split."""
-    if not torch.is_inference_mode_enabled():
-        return without_grad(fn, *args)
-    with torch.inference_mode(False):
-        return without_grad(fn, *args)
+# `fn(*args)` with autograd off, making normal tensors: an update or resync may make new ones.
+_normal = outside_inference_mode(without_grad)

@@ -188,7 +188,7 @@ class UpdatePlan:
                 first = zero3.offset(walk[index])
             else:
                 cut = replica_cut(entry.ema, walk[index])  # ModelEma(shard=...): its rows only
-                first = shard_offset(entry.ema, 0) if is_dtensor(entry.ema) else 0
+                first = shard_offset(entry.ema, f"the EMA's {entry.name}")
             rounding[id(ema)] = (entry.name, first)
             supported = (ema.dtype, src.dtype) in SUPPORTED_DTYPE_PAIRS
             if not snap and src.device == device and supported:

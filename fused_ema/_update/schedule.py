@@ -10,9 +10,10 @@ import operator
 
 import torch
 
-from .._ext.grad import without_grad
+from .._ext.grad import outside_inference_mode, without_grad
 from .._ext.loader import _C
 from .._model.swap import finish_all
+from ..ops import storage_shortfall
 
 #: Steps beyond this cannot be counted exactly in the float64 schedule arithmetic.
 MAX_STEP = int(_C.MAX_STEP)
@@ -200,10 +201,8 @@ class Schedule:
     `begin(step)` moves the counter for an update (validating `step` first), `rollback()` undoes
     the latest begin if the update it belongs to did nothing, `commit()` makes it final."""
 
+    @outside_inference_mode  # the counter is written outside the mode too
     def __init__(self, options: dict, device: torch.device):
-        if torch.is_inference_mode_enabled():  # the counter is written outside the mode too
-            with torch.inference_mode(False):
-                return self.__init__(options, device)
         self.options = options
         self.captured = False  # a CUDA graph holds pointers to these tensors
         self.step = torch.zeros((), dtype=torch.int64, device=device)
@@ -236,6 +235,8 @@ class Schedule:
                 raise ValueError(f"step must be an integer tensor, got {step.dtype}")
             if step.is_meta:
                 raise ValueError("step is a meta tensor, which holds no value")
+            if storage_shortfall(step) is not None:  # reading it would crash the process
+                raise ValueError("step is a tensor whose memory was freed (resize_(0)?)")
             if step.device.type == "cpu":
                 # Read in C++, not in Python: no host sync and nothing Python-visible to count.
                 value = step.reshape(()).to(torch.int64)

@@ -15,6 +15,7 @@ from .._dist.dtensor import reshard_fsdp
 from .._ext.grad import without_grad
 from .._ext.loader import _C
 from .._model.swap import Swap, check_writable, finish_all
+from .._model.tracking import average_dtype
 from .._model.walk import tensor_walk, walk_agrees
 from ..ops import freed_tensors, storage_shortfall
 from . import prepared as prep
@@ -28,29 +29,40 @@ def _int64(step) -> bool:
     return type(step) is int and -(2**63) <= step < 2**63
 
 
-def _refused_tensors(emas, model) -> str:
+def _refused_tensors(tracks, model) -> str:
     """After the ops refused an update: the model's tensors whose storage no longer holds their
-    elements or is one of the EMAs' tensors', as the error names them (the ops can only give
-    list indices); empty when none is."""
+    elements or is one of the EMAs' tensors', and the EMA tensors converted behind the EMA's back
+    (ema.module.double()), as the error names them (the ops can only give list indices); empty
+    when none is."""
 
     def memory(t):  # where a plain dense tensor's storage is; None for others (meta: none)
         plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
         return t.untyped_storage().data_ptr() or None if plain and t.numel() else None
 
-    ema_storages = {}
-    for ema in emas:
-        for name, t in (*ema.module.named_parameters(), *ema.module.named_buffers()):
-            ema_storages.setdefault(memory(t), name)
+    ema_storages, converted = {}, []
+    for track in tracks:
+        dtype = track.binding.policy.dtype
+        for e in track.binding.table.entries:
+            ema_storages.setdefault(memory(e.ema), e.name)
+            source = e.bound()
+            if e.average and source is not None and e.ema.dtype != average_dtype(source, dtype):
+                converted.append(f"{e.name} ({e.ema.dtype}, the model's {source.dtype})")
     ema_storages.pop(None, None)
     named = [*model.named_parameters(), *model.named_buffers()]
-    found = freed_tensors(named)
+    found = [f"the model's {what}" for what in freed_tensors(named)]
     for name, t in named:
         shared = ema_storages.get(memory(t))
         if shared is not None and storage_shortfall(t) is None:
             found.append(
-                f"{name} shares memory with the EMA's {shared} (the EMA must own its tensors: "
-                "was an EMA tensor put into the model, or the EMA's module passed as the model?)"
+                f"the model's {name} shares memory with the EMA's {shared} (the EMA must own its "
+                "tensors: was an EMA tensor put into the model, or the EMA's module passed as the "
+                "model?)"
             )
+    if converted and not found:  # (a model whose dtype changed is staged: not the cause then)
+        found.append(
+            f"EMA tensors hold a dtype the EMA does not average them in: {', '.join(converted)} "
+            "(converted through ema.module? ema.to(dtype) converts the whole EMA)"
+        )
     return ", ".join(found)
 
 
@@ -142,9 +154,9 @@ class Updater:
             except (ValueError, RuntimeError) as error:  # the ops name tensors by list index
                 if type(error) not in (ValueError, RuntimeError):
                     raise  # StructureMismatchError, CheckpointError: named already
-                named = _refused_tensors((ema, *(f.ema_ref() for f in self.followers)), model)
+                named = _refused_tensors((self, *self.followers), model)
                 if named:
-                    message = f"fused_ema: the model's {named}; nothing was changed"
+                    message = f"fused_ema: {named}; nothing was changed"
                     raise ValueError(message) from error
                 raise
             if done:

@@ -6,7 +6,6 @@ dtypes, EDM2's time) the caller supplies or a convention fills in, as docs/posth
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,10 +13,10 @@ from pathlib import Path
 import torch
 
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
+from .snapshots import EMA_PYTORCH_NAME as NAME
 from .snapshots import SnapshotContents, SnapshotError, SnapshotInfo
 
 SOURCE = "ema-pytorch"
-NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")
 PREFIX = "ema_model."
 DTYPE = torch.float32  # of every synthesized tensor: the files cast all, integer buffers too
 

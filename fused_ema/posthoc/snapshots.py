@@ -21,6 +21,7 @@ from .profiles import gamma_to_sigma_rel
 
 FORMAT = "fused_ema.posthoc/1"
 NAME = re.compile(r"^(\d{6,})-ema(\d+)\.safetensors$")
+EMA_PYTORCH_NAME = re.compile(r"^(\d+)\.(\d+)\.pt$")  # its PostHocEMA's files (migrate.py)
 TEMPORARY = re.compile(r"^\.\d{6,}-ema\d+\.safetensors\.tmp-")  # see write_snapshot
 KEYS = ("format", "step", "gamma", "sigma_rel", "index", "ema_index", "names", "dtypes")
 
@@ -237,6 +238,15 @@ def list_snapshots(snapshot_dir) -> list[SnapshotInfo]:
     return sorted(found)
 
 
+def _step_of(path: Path) -> int | None:
+    """The update count of the snapshot at `path`; None where it is missing or unreadable."""
+    try:
+        with _read(path) as (_, parsed):
+            return parsed[0].step
+    except (FileNotFoundError, SnapshotError):
+        return None
+
+
 def next_index(snapshot_dir) -> int:
     """The index the next snapshot of a run writing to snapshot_dir takes: one past the highest
     snapshot file name there (0 for none or no folder). Reads file names only."""
@@ -307,6 +317,14 @@ class Snapshots:
                 "of another run; pass an empty snapshot_dir, or load this run's checkpoint "
                 "(load_state_dict) to continue its numbering"
             )
+        if any(EMA_PYTORCH_NAME.match(e.name) for e in os.scandir(self.folder)):
+            raise RuntimeError(
+                f"fused_ema.PostHocEma: {str(self.folder)!r} holds ema-pytorch PostHocEMA "
+                "checkpoints, which synthesis could no longer read beside this run's snapshots; "
+                "pass another snapshot_dir"
+            )
+        if self.resumed and self.last_step is None and self.next_index:
+            self.last_step = _step_of(snapshot_path(self.folder, self.next_index - 1, 0))
         self.checked = True
 
     def take(self, tracks, gammas, t: int) -> None:

@@ -15,7 +15,7 @@ from .._model.swap import finish_all
 from .._model.walk import unwrap_model
 from .._tracks import TrackSet, same
 from .._update.schedule import POWER_FUNCTION, whole_number
-from ..checkpoint import _as_step
+from ..checkpoint import _as_step, is_value
 from ..ema import ModelEma
 from .profiles import gamma_to_sigma_rel, sigma_rel_to_gamma
 from .snapshots import SnapshotError, Snapshots, list_snapshots
@@ -200,6 +200,8 @@ class PostHocEma(TrackSet):
             # snapshot due at this step is checked below before anything changes.
             t = leader._schedule.as_value(step) - self._update_after_step
         # Before the update changes anything; an update count known only after it may be due.
+        if snapshots.due(t) or (t is None and snapshots.folder is not None):
+            snapshots.check_folder()  # (after a resume, reads the last snapshot's update count)
         last = snapshots.last_step
         if snapshots.due(t) and last is not None and t <= last:
             # Synthesis reads the snapshots in order of their steps: one that does not grow
@@ -209,8 +211,6 @@ class PostHocEma(TrackSet):
                 f"not past the last snapshot written (update count {last}): snapshot steps must "
                 "grow; nothing was changed"
             )
-        if snapshots.due(t) or (t is None and snapshots.folder is not None):
-            snapshots.check_folder()
         return t
 
     @torch.compiler.disable
@@ -255,6 +255,7 @@ class PostHocEma(TrackSet):
             )
         # A second snapshot of one step (the periodic one at the end of a run, say) would make
         # the folder unusable: synthesis refuses a step that does not grow.
+        snapshots.check_folder()  # (after a resume, reads the last snapshot's update count)
         if t == snapshots.last_step or (snapshots.last_step is None and snapshots.due(t)):
             return
         if snapshots.last_step is not None and t < snapshots.last_step:  # (update(step=) lowered)
@@ -296,6 +297,13 @@ class PostHocEma(TrackSet):
         if not same(state.get("gammas"), list(self.gammas)):
             problems.append(
                 f"gammas {state.get('gammas')!r}: this PostHocEma tracks {list(self.gammas)}"
+            )
+        every = state.get("snapshot_every")  # (absent from older checkpoints)
+        writes = self.snapshot_dir is not None  # (one that takes no snapshots loads any)
+        if writes and every is not None and not is_value(every, self.snapshot_every):
+            problems.append(
+                f"snapshot_every {every!r}: this PostHocEma snapshots every {self.snapshot_every} "
+                "updates (its snapshots would no longer continue the run's)"
             )
         index = state.get("snapshot_index")  # a one-element tensor in a parent's state dict
         if index is None:
