@@ -3,6 +3,7 @@ where CPython can run a signal handler, InterruptAtLine at every line of fused_e
 code; interrupted_everywhere() runs a call once per point. Shared by the fault tests of ModelEma,
 PostHocEma and Bema."""
 
+import collections
 import itertools
 import os
 import sys
@@ -12,8 +13,29 @@ import torch
 
 import fused_ema
 
+# Each place in the code (a line, a call site) is a point at its first PASSES passes only: a
+# loop's first iteration and a later one. Every pass of every loop would make a call of N points
+# cost N**2 / 2 traced steps (4,500 lines in one update that follows a new structure: minutes).
+PASSES = 2
 
-class InterruptAt:
+
+class _Point:
+    """Counts the points a call reaches and raises KeyboardInterrupt at the n-th (n from 1)."""
+
+    def __init__(self, n: int):
+        self.n, self.seen, self.grad_when_fired = n, 0, None
+        self.passes = collections.Counter()
+
+    def reached(self, place) -> None:
+        self.passes[place] += 1
+        if self.passes[place] <= PASSES:
+            self.seen += 1
+            if self.seen == self.n:
+                self.grad_when_fired = torch.is_grad_enabled()
+                raise KeyboardInterrupt
+
+
+class InterruptAt(_Point):
     """A profile function (sys.setprofile) that raises KeyboardInterrupt at the n-th point of the
     profiled call where CPython can run a signal handler: a Python function starting ("call",
     its RESUME) or a call into C returning ("c_return", the check after a CALL). Profiling stops
@@ -21,21 +43,15 @@ class InterruptAt:
 
     install = staticmethod(sys.setprofile)
 
-    def __init__(self, n: int):
-        self.n, self.seen, self.grad_when_fired = n, 0, None
-
     def __call__(self, frame, event, arg):
         if event in ("call", "c_return"):
-            self.seen += 1
-            if self.seen == self.n:
-                self.grad_when_fired = torch.is_grad_enabled()
-                raise KeyboardInterrupt
+            self.reached((event, frame.f_code, frame.f_lasti))  # (f_lasti: the call site)
 
 
 FUSED_EMA_SOURCES = os.path.dirname(fused_ema.__file__) + os.sep
 
 
-class InterruptAtLine:
+class InterruptAtLine(_Point):
     """A trace function (sys.settrace) that raises KeyboardInterrupt at the n-th line of
     fused_ema's own Python code that the traced call runs, wherever that is: also where no
     signal handler can run (inside a finally block, before its first call), so it finds any
@@ -44,17 +60,11 @@ class InterruptAtLine:
 
     install = staticmethod(sys.settrace)
 
-    def __init__(self, n: int):
-        self.n, self.seen, self.grad_when_fired = n, 0, None
-
     def __call__(self, frame, event, arg):
         if event == "call":
             return self if frame.f_code.co_filename.startswith(FUSED_EMA_SOURCES) else None
         if event == "line":
-            self.seen += 1
-            if self.seen == self.n:
-                self.grad_when_fired = torch.is_grad_enabled()
-                raise KeyboardInterrupt
+            self.reached((frame.f_code, frame.f_lineno))
         return self
 
 
