@@ -274,8 +274,29 @@ class ModelEma(TimmAttributes, nn.Module):
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> ModelEma:
-        device = torch.cuda.current_device() if device is None else device
-        return self.to(torch.device("cuda", device) if isinstance(device, int) else device)
+        return self._to_backend("cuda", torch.cuda.current_device() if device is None else device)
+
+    # nn.Module's xpu(), mtia() and ipu() go through _apply, which keeps the EMA where it is.
+    def xpu(self, device: int | torch.device | None = None) -> ModelEma:
+        return self._to_backend("xpu", device)
+
+    def mtia(self, device: int | torch.device | None = None) -> ModelEma:
+        return self._to_backend("mtia", device)
+
+    def ipu(self, device: int | torch.device | None = None) -> ModelEma:
+        return self._to_backend("ipu", device)
+
+    def _to_backend(self, kind: str, device) -> ModelEma:
+        """ema.cuda(1), ema.xpu(): the EMA to that backend's device (an index or a device)."""
+        return self.to(
+            device if isinstance(device, (torch.device, str)) else torch.device(kind, device)
+        )
+
+    def to_empty(self, *, device, recurse: bool = True) -> ModelEma:
+        raise RuntimeError(
+            "ema.to_empty() would drop the average (its tensors would be left uninitialised); "
+            "ema.to(device) moves the EMA with its values"
+        )
 
     def cpu(self) -> ModelEma:
         return self.to("cpu")

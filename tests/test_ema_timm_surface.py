@@ -699,6 +699,28 @@ def test_to_a_device_and_refusals_change_nothing():
     ema.update(trained(model, 1))  # still usable
 
 
+def test_the_other_backends_move_as_to_does_and_to_empty_is_refused():
+    # nn.Module's xpu(), mtia(), ipu() and to_empty() went through _apply, which keeps the EMA
+    # where it is: each returned the EMA unmoved, as if it had moved.
+    model = trained(small_mlp(), 2)
+    ema = fused_ema.ModelEma(model, 0.8)
+    ema.update(model)
+    before = snapshot(ema)
+    for kind in ("xpu", "mtia", "ipu"):
+        if getattr(getattr(torch, kind, None), "is_available", lambda: False)():
+            continue  # (a machine with that device: it would move)
+        for index in (None, 0):
+            with pytest.raises(Exception) as moved:
+                getattr(ema, kind)(index)
+            with pytest.raises(type(moved.value)):
+                ema.to(torch.device(kind, index))  # the same refusal as ema.to()'s
+            assert_unchanged(ema, before)
+    with pytest.raises(RuntimeError, match=r"to_empty\(\) would drop the average"):
+        ema.to_empty(device="cpu")
+    assert_unchanged(ema, before)
+    ema.update(trained(model, 1))
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"dtype": torch.float8_e4m3fn}, {"dtype": torch.float8_e5m2}, {"device": "meta"}],
