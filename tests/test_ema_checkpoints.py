@@ -558,22 +558,25 @@ def test_a_parents_load_refuses_other_name_filters_as_a_flat_load_does():
 def test_a_parents_load_with_keys_the_ema_does_not_know_says_the_ema_was_not_loaded():
     """torch does not tell a submodule whether its parent's load is strict: an extra key under
     the EMA's prefix, or a missing step, kept the EMA as it was without a word under
-    strict=False (only that key was reported). It warns now."""
+    strict=False (only that key was reported). It warns now, and only that (with warmup on, a
+    missing step also warned of the step the EMA would load at)."""
     torch.manual_seed(11)
     net = small_mlp()
     source = nn.ModuleDict({"net": net, "ema": fused_ema.ModelEma(net, 0.9)})
     train_step(net, torch.optim.SGD(net.parameters(), lr=0.1))
     source["ema"].update(net, step=5)
     state = {**source.state_dict(), "ema.note": torch.tensor(1)}
-    target = nn.ModuleDict({"net": small_mlp(), "ema": fused_ema.ModelEma(small_mlp(), 0.5)})
+    ema = fused_ema.ModelEma(small_mlp(), 0.5, warmup=True)
+    target = nn.ModuleDict({"net": small_mlp(), "ema": ema})
     before = frozen(target["ema"])
     with pytest.warns(UserWarning, match=r"ema was not loaded: .*\(ema.note\).*strict=False"):
         assert target.load_state_dict(state, strict=False).unexpected_keys == ["ema.note"]
     assert_untouched(target["ema"], before)
     del state["ema.step"], state["ema.note"]
-    with pytest.warns(UserWarning, match=r"ema was not loaded: .*\(ema.step\)"):
+    with pytest.warns(UserWarning, match=r"ema was not loaded: .*\(ema.step\)") as caught:
         with pytest.raises(RuntimeError, match="Missing key.*ema.step"):
             target.load_state_dict(state)
+    assert [str(w.message) for w in caught if "stores no step" in str(w.message)] == []
     assert_untouched(target["ema"], before)
     target["ema"].load_state_dict(source["ema"].state_dict())  # the remedy the warning gives
     assert target["ema"].step == 5

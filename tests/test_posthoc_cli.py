@@ -92,6 +92,10 @@ def test_bad_input_exits_2_with_one_line(snapshots, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     bad([str(empty), "--sigma-rel", "0.1", "--out", out], capsys, "holds no snapshots")
+    snapshot = sorted(snapshots.glob("*.safetensors"))[-1]
+    before = snapshot.read_bytes()
+    bad([d, "--sigma-rel", "0.1", "--out", str(snapshot)], capsys, "is a snapshot of the folder")
+    assert snapshot.read_bytes() == before
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     (damaged / "000000-ema0.safetensors").write_bytes(b"\x00" * 20)
@@ -150,6 +154,15 @@ def test_an_ema_pytorch_folder(tmp_path, capsys):
     out = tmp_path / "ema.safetensors"
     argv = [str(folder), "--sigma-rel", "0.07", "--out", str(out)]
     bad(argv, capsys, "needs the sigma_rels or the gammas")
+    # A list that does not fit the folder's EMAs is refused, not taken in part.
+    bad([*argv, "--tracked-sigma-rels", "0.05,0.10,0.2"], capsys, "checkpoints of 2 EMAs, but 3")
+    bad([*argv, "--tracked-sigma-rels", "0.05"], capsys, "checkpoint of EMA 1, but 1")
+    # --out onto one of its files would replace a snapshot.
+    target = next(folder.glob("1.*.pt"))
+    before = target.read_bytes()
+    bad([str(folder), "--sigma-rel", "0.07", "--tracked-sigma-rels", "0.05,0.10", "--out",
+         str(target)], capsys, "is a snapshot of the folder")  # fmt: skip
+    assert target.read_bytes() == before
     assert main([*argv, "--tracked-sigma-rels", "0.05,0.10"]) == 0
     expected = synthesize(folder, sigma_rel=0.07, tracked_sigma_rels=(0.05, 0.10))
     written = load_file(out)

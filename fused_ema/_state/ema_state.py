@@ -187,7 +187,10 @@ class EmaState:
         missing_keys.extend(missing)
         unexpected_keys.extend(unexpected)
         try:
-            prepared = self.prepare(own, False, source=prefix[:-1] or "the state dict")
+            # A missing step refuses the load below; 0 stands in so that prepare() does not warn
+            # of the step a load without one would take.
+            stand_in = 0 if own["step"] is None else None
+            prepared = self.prepare(own, False, stand_in, source=prefix[:-1] or "the state dict")
         except CheckpointError as err:
             errors.extend(f"{prefix[:-1] or 'ModelEma'}: {p}" for p in err.problems)
             return None

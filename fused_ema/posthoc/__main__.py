@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..checkpoint import atomic_write
-from .snapshots import SnapshotError
+from .snapshots import EMA_PYTORCH_NAME, NAME, SnapshotError
 from .synthesis import Synthesis, solve_coefficients, synthesize
 
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "float16", "bfloat16")}
@@ -93,6 +93,12 @@ def check_plot_format(path: Path) -> None:
         )
 
 
+def _is_snapshot(path: Path, snapshot_dir: Path) -> bool:
+    """Whether writing `path` would replace a snapshot file (fused_ema's or ema-pytorch's)."""
+    in_folder = path.resolve().parent == snapshot_dir.resolve()
+    return in_folder and bool(NAME.match(path.name) or EMA_PYTORCH_NAME.match(path.name))
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -103,6 +109,9 @@ def main(argv=None) -> int:
                 raise IsADirectoryError(f"{option} {path} is a folder, not a file")
         if args.plot is not None:
             check_plot_format(args.plot)
+        for option, path in (("--out", args.out), ("--plot", args.plot)):
+            if path is not None and _is_snapshot(path, args.snapshot_dir):
+                raise ValueError(f"{option} {path} is a snapshot of the folder: it would be lost")
         plan = solve_coefficients(args.snapshot_dir, **{n: getattr(args, n) for n in CHOSEN})
         state = synthesize(  # the plan's snapshots: the folder is listed once (a run may add more)
             plan.snapshots,

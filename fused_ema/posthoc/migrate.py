@@ -54,6 +54,12 @@ def list_ema_pytorch_snapshots(
         if step < 1:
             raise SnapshotError(f"{path}: step 0 (no update yet) cannot be synthesized from")
         snapshots.append(SnapshotInfo(rank[step], k, step, gammas[k], sigma_rels[k], path, SOURCE))
+    held = {k for _, k, _ in found}
+    if found and len(held) < len(gammas):  # ema-pytorch saves every EMA at each checkpoint
+        raise SnapshotError(
+            f"{folder} holds checkpoints of {len(held)} EMAs, but {len(gammas)} sigma_rels/gammas "
+            "were given: give those its PostHocEMA was built with, in order"
+        )
     return sorted(snapshots)
 
 
