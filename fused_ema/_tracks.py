@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from ._state.ema_state import commit_loads
+from ._state.ema_state import META_KEY, commit_loads
 from .checkpoint import LoadResult, is_value, read_source
 from .ema import ModelEma
 from .errors import CheckpointError
@@ -69,8 +69,29 @@ class TrackSet(nn.Module):
 
     def to(self, *args, **kwargs):
         for track in self._tracks:
-            track.to(*args, **kwargs)
+            track._to(*args, **kwargs)
         return self
+
+    # nn.Module's conversions go through _apply, which leaves the tracks where they are.
+    def cpu(self):
+        return self.to("cpu")
+
+    def cuda(self, device=None):
+        if not isinstance(device, (str, torch.device)):
+            device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        return self.to(device)
+
+    def half(self):
+        return self.to(torch.float16)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def double(self):
+        return self.to(torch.float64)
 
     def _apply(self, fn, recurse=True):
         return self  # as ModelEma: a parent's .to() leaves the EMAs where they were asked to be
@@ -95,12 +116,24 @@ class TrackSet(nn.Module):
         header = self._header()
         for key in self.NESTED:
             destination[prefix + key] = torch.tensor(header[key])
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None:  # what the parent's load hands this set back (local_metadata)
+            settings = {k: v for k, v in header.items() if k not in self.NESTED}
+            tracks = {name: metadata.get(f"{prefix}{name}") for name in self._track_names}
+            metadata[prefix[:-1]] = {
+                "version": self._version,
+                META_KEY: {"header": settings, "tracks": tracks},
+            }
         return destination
 
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
         """Restores every track and the header from state_dict()'s dict (or a file), all or
         nothing: each track's checkpoint is checked and converted before any is written. With
         strict=False, the keys every track left unmatched, each under its track's name."""
+        with self._tracks[0]._updater.exclusive(f"{type(self).__name__}.load_state_dict()"):
+            return self._load(state, strict)
+
+    def _load(self, state, strict: bool) -> LoadResult:
         kind = type(self).__name__
         self._ready("load_state_dict")
         state, source = read_source(state, f"{kind} checkpoint")
@@ -161,7 +194,7 @@ class TrackSet(nn.Module):
         if len(set(steps)) > 1:
             named = ", ".join(f"{n} {s}" for n, s in zip(self._track_names, steps))
             problems.append(f"the EMAs are at different steps ({named}): they update together")
-        elif header_step is not None and steps and not is_value(header_step, steps[0]):
+        elif None not in (header_step, *steps[:1]) and not is_value(header_step, steps[0]):
             problems.append(f"step {header_step!r} beside EMAs at step {steps[0]}")
         if not problems:
             for track, (load, rounding) in zip(self._tracks, prepared):
@@ -174,26 +207,37 @@ class TrackSet(nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
         """A parent module's load_state_dict(): every track's keys, all or nothing."""
+        with self._tracks[0]._updater.exclusive(f"{type(self).__name__}.load_state_dict()"):
+            saved = (local_metadata or {}).get(META_KEY)
+            saved = saved if isinstance(saved, dict) else {}
+            self._load_nested(state_dict, prefix, saved, missing_keys, unexpected_keys, errors)
+
+    def _load_nested(self, state_dict, prefix, saved, missing_keys, unexpected_keys, errors):
+        """_load_from_state_dict with `saved`, what state_dict() put in the set's metadata: the
+        header's settings and each track's metadata (the schedule it was saved with)."""
         self._ready("load_state_dict")
-        metadata = getattr(state_dict, "_metadata", None) or {}
+        tracks = saved.get("tracks") if isinstance(saved.get("tracks"), dict) else {}
         ready, found = [], set()
         for name, track in zip(self._track_names, self._tracks):
             sub = f"{prefix}{name}."
             found.update(key for key in state_dict if key.startswith(sub))
             ready.append(
                 track._state.prepare_nested(
-                    state_dict, sub, metadata.get(sub[:-1]), missing_keys, unexpected_keys, errors
+                    state_dict, sub, tracks.get(name), missing_keys, unexpected_keys, errors
                 )
             )
         nested = {key: prefix + key for key in self.NESTED}  # header key -> its key here
-        header = self._header() | {k: state_dict[s] for k, s in nested.items() if s in state_dict}
+        header = self._header() | (
+            saved.get("header") if isinstance(saved.get("header"), dict) else {}
+        )
+        header |= {k: state_dict[s] for k, s in nested.items() if s in state_dict}
         missing = [s for s in nested.values() if s not in state_dict]
         missing_keys.extend(missing)
         found.update(nested.values())
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in found)
         if None not in ready and not missing:
             problems = self._commit(ready, header, self._header_problems(header))
-            errors.extend(f"{prefix or 'the state dict'}: {p}" for p in problems)
+            errors.extend(f"{prefix[:-1] or 'the state dict'}: {p}" for p in problems)
 
     def __copy__(self) -> TrackSet:
         # As ModelEma's: a shallow copy would share the tracks, and their locks, with this set.

@@ -56,6 +56,8 @@ def _as_step(value, key: str, problems: list[str]) -> int | None:
             problems.append(f"'{key}' is a tensor whose memory was freed")
             return None
         value = value.item()
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # a numpy scalar (what a checkpoint's step may have been saved as)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     try:
@@ -104,10 +106,25 @@ def is_value(value, expected) -> bool:
         return False
 
 
+def _is_own(value) -> bool:
+    return isinstance(value, Mapping) and is_value(value.get("format"), FORMAT)
+
+
+def own_state(state):
+    """fused_ema's own state dict when a training checkpoint holds it beside others (the
+    getting-started layout: "ema" beside "state_dict" and "state_dict_ema"), else `state`."""
+    if isinstance(state, Mapping) and not _is_own(state):
+        inner = [v for v in state.values() if _is_own(v)]
+        if len(inner) == 1:
+            return inner[0]
+    return state
+
+
 def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
     """Recognises the format of `state` and extracts weights, step and schedule from it; `known`,
     the EMA's names, when given, decides between a model state dict's names with and without a
     prefix that every key carries."""
+    state = own_state(state)
     if not isinstance(state, Mapping):
         return ParsedCheckpoint(
             "unknown", problems=[f"expected a dict (a state_dict), got {type(state).__name__}"]
@@ -120,7 +137,7 @@ def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
             kind, weights, step=_as_step(step, key, problems), problems=problems, **extra
         )
 
-    if is_value(state.get("format"), FORMAT):
+    if _is_own(state):
         version = state.get("format_version")
         if not is_value(version, FORMAT_VERSION):
             problems.append(
@@ -141,6 +158,13 @@ def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
             filters=filters,
             partition=state.get("zero3_partition"),
         )
+    own = [k for k, v in state.items() if _is_own(v)]
+    if len(own) > 1:
+        problems.append(
+            f"it holds {len(own)} fused_ema state dicts ({', '.join(map(repr, own))}): pass the "
+            "one to load"
+        )
+        return parsed("unknown")
     if isinstance(state.get(PRETRAINED), Mapping):  # read_source's reading of a folder
         folder = state[PRETRAINED]
         step = folder.get("config", {}).get("optimization_step")
@@ -239,7 +263,17 @@ def read_pretrained_folder(path) -> dict:
     for name in _WEIGHT_FILES:
         if f"{name}.index.json" in files:
             with open(os.path.join(path, f"{name}.index.json")) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
+                index = json.load(f)
+            files_of = index.get("weight_map") if isinstance(index, dict) else None
+            shards = list(files_of.values()) if isinstance(files_of, dict) else []
+            if not shards or not all(
+                isinstance(s, str) and os.path.basename(s) == s for s in shards
+            ):
+                raise ValueError(
+                    f"{name}.index.json: its 'weight_map' should map names to shard files of the "
+                    f"folder, got {files_of!r:.200}"
+                )
+            shards = sorted(set(shards))
         elif name in files:
             shards = [name]
         else:
@@ -347,7 +381,8 @@ def tensor_problem(name: str, tensor, ema: torch.Tensor) -> str | None:
         return f"{name}: a quantized tensor cannot be stored in the EMA's {ema.dtype}"
     if tuple(tensor.shape) != tuple(ema.shape):
         return f"{name}: shape {list(tensor.shape)} does not match the EMA's {list(ema.shape)}"
-    if tensor.is_floating_point() != ema.is_floating_point() or tensor.is_complex():
+    kind = (tensor.is_floating_point(), tensor.is_complex())
+    if kind != (ema.is_floating_point(), ema.is_complex()):
         return f"{name}: dtype {tensor.dtype} cannot be stored in the EMA's {ema.dtype}"
     return _storage_problem(name, local(tensor)) or _range_problem(name, local(tensor), ema)
 
@@ -365,9 +400,22 @@ def _storage_problem(name: str, tensor: torch.Tensor) -> str | None:
 
 
 def _range_problem(name: str, tensor: torch.Tensor, ema: torch.Tensor) -> str | None:
-    """Integer values that the EMA's integer dtype cannot hold (the copy would wrap them)."""
-    if ema.is_floating_point() or tensor.dtype == ema.dtype or tensor.numel() == 0:
+    """Values that the EMA's dtype cannot hold: integers the copy would wrap, finite floats it
+    would make infinite (float32 past 65504 into a float16 EMA)."""
+    if tensor.dtype == ema.dtype or tensor.numel() == 0 or ema.is_complex():
         return None
+    if ema.is_floating_point():
+        if torch.finfo(ema.dtype).max >= torch.finfo(tensor.dtype).max:
+            return None
+        values = tensor.detach()
+        overflow = torch.isinf(values.to(ema.dtype)) & torch.isfinite(values)
+        if not overflow.any():
+            return None
+        most = values[overflow].abs().max().item()
+        return (
+            f"{name}: values up to {most:g} in magnitude do not fit the EMA's {ema.dtype} (largest "
+            f"{torch.finfo(ema.dtype).max:g}): they would become infinite"
+        )
     if ema.dtype == torch.bool:
         low, high = 0, 1
     else:
@@ -512,7 +560,12 @@ def prepare_load(
         # of one tie are not compared: each rank holds only its own.
         tied = not problem and first_fit and first is not tensor
         if tied and not (is_dtensor(tensor) or is_dtensor(first)):
-            if tensor.dtype != first.dtype or not _same_values(tensor.to(first.device), first):
+            if tensor.dtype != first.dtype:
+                problem = (
+                    f"{name}: tied to {first_name} in this EMA, but the two have different dtypes "
+                    f"({tensor.dtype}, {first.dtype})"
+                )
+            elif not _same_values(tensor.to(first.device), first):
                 problem = (
                     f"{name}: tied to {first_name} in this EMA, but the two hold different values"
                 )
@@ -545,6 +598,11 @@ def prepare_load(
             [f"could not move its tensors to the EMA's devices: {type(err).__name__}: {err}"],
             source,
         ) from err
+    if not strict and not values and table.entries:
+        # Nothing loads: the EMA keeps its step and schedule too (a step given here is still
+        # taken), so that it never holds the weights of one run at the step of another.
+        result = LoadResult(parsed.format, missing, unexpected, mismatched)
+        return PreparedLoad([], step, None, result, problems)
     options = new_options or options
     if step is None:
         step = parsed.step

@@ -168,7 +168,7 @@ class ModelEma(TimmAttributes, nn.Module):
         """timm ModelEmaV3.get_decay: the per-step decay of `step` (0.0 while it copies the
         model, the warmup's value while warming up), computed by the same formula the update runs;
         without a step, the configured decay. With update_every=k, an update step applies
-        ``decay ** k`` of this value (and the steps between apply nothing)."""
+        ``decay ** k`` of this value (and the steps between average nothing)."""
         return self.decay if step is None else self._schedule.decay_at(step)
 
     @property
@@ -228,15 +228,17 @@ class ModelEma(TimmAttributes, nn.Module):
         removed ones go."""
         self._ready("resync")
         self._state.warn_precision()
-        self._binding.resync(self, unwrap_model(model), self._schedule)
+        with self._updater.exclusive("ema.resync()"):
+            self._binding.resync(self, unwrap_model(model), self._schedule)
 
     def set(self, model: nn.Module) -> None:
         """timm ModelEmaV3.set: copies the model's current weights into the EMA (cast to its
         dtypes and devices); the step and schedule stay. The model must match the EMA's names and
         shapes (checked before anything is written)."""
         self._ready("set")
-        pairs = self._binding.pairs_with(unwrap_model(model))
-        copy_all([(name, target, ema) for name, ema, target in pairs])
+        with self._updater.exclusive("ema.set()"):
+            pairs = self._binding.pairs_with(unwrap_model(model))
+            copy_all([(name, target, ema) for name, ema, target in pairs])
 
     def attach(self, optimizer, model: nn.Module | None = None, *, non_blocking: bool = False):
         """Updates the EMA after every ``optimizer.step()`` (a step post-hook) and returns the
@@ -266,11 +268,16 @@ class ModelEma(TimmAttributes, nn.Module):
         converts its averaged tensors to a floating dtype, as if built with that device= /
         dtype=: ``ema.to("cpu")``, ``ema.to("cuda:1", torch.float32)``, ``ema.to(tensor)``. All
         or nothing. A sharded (DTensor) EMA cannot move."""
+        self._refuse_in_set("ema.to()", "move")
+        return self._to(*args, **kwargs)
+
+    def _to(self, *args, **kwargs) -> ModelEma:
         device, dtype, non_blocking = parse_to(args, kwargs)
         self._ready("to")
         if dtype is not None:
             self._state.warn_precision(dtype=dtype)
-        move(self, self._binding, self._schedule, device, dtype, non_blocking)
+        with self._updater.exclusive("ema.to()"):
+            move(self, self._binding, self._schedule, device, dtype, non_blocking)
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> ModelEma:
@@ -338,6 +345,11 @@ class ModelEma(TimmAttributes, nn.Module):
         kind = self._updater.owner
         if kind is None:
             return
+        if why == "move":
+            raise RuntimeError(
+                f"fused_ema: {what} on one of a {kind}'s tracks: they move and convert together "
+                f"(the {kind}'s to()); nothing was changed"
+            )
         if why == "update":
             raise RuntimeError(
                 f"fused_ema: ema.{what}() on one of a {kind}'s tracks: they update together, "
@@ -385,9 +397,10 @@ class ModelEma(TimmAttributes, nn.Module):
     def copy_to(self, model: nn.Module) -> None:
         """Writes the EMA weights into `model` (matched by name, cast to its dtypes/devices)."""
         self._ready("copy_to")
-        pairs = self._binding.pairs_with(unwrap_model(model))
-        check_writable(pairs)
-        copy_all(pairs)
+        with self._updater.exclusive("ema.copy_to()"):
+            pairs = self._binding.pairs_with(unwrap_model(model))
+            check_writable(pairs)
+            copy_all(pairs)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -424,7 +437,8 @@ class ModelEma(TimmAttributes, nn.Module):
         """
         self._refuse_in_set("load_state_dict", "set")
         self._ready("load_state_dict")
-        return self._state.apply(*self._state.prepare(state, strict, step))
+        with self._updater.exclusive("ema.load_state_dict()"):
+            return self._state.apply(*self._state.prepare(state, strict, step))
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
@@ -432,11 +446,12 @@ class ModelEma(TimmAttributes, nn.Module):
         """A parent module's load_state_dict(): the EMA's keys under `prefix`, all or nothing."""
         self._refuse_in_set("load_state_dict", "set")
         self._ready("load_state_dict")
-        prepared = self._state.prepare_nested(
-            state_dict, prefix, local_metadata, missing_keys, unexpected_keys, errors
-        )
-        if prepared is not None:
-            self._state.apply(*prepared)
+        with self._updater.exclusive("ema.load_state_dict()"):
+            prepared = self._state.prepare_nested(
+                state_dict, prefix, local_metadata, missing_keys, unexpected_keys, errors
+            )
+            if prepared is not None:
+                self._state.apply(*prepared)
 
     # ------------------------------------------------------------------ diagnostics
 

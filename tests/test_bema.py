@@ -211,11 +211,14 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_whole_and_changes_nothing():
 
 
 def test_inside_a_parent_modules_state_dict_it_round_trips():
+    """...and a parent's load checks the options the tracks were saved with: they reached the
+    checks only in a load of the Bema itself, so a parent's load took another run's EMAs."""
+
     class Holder(nn.Module):
-        def __init__(self, model):
+        def __init__(self, model, update_freq=2):
             super().__init__()
             self.model = model
-            self.bema = Bema(model, update_freq=2)
+            self.bema = Bema(model, update_freq=update_freq)
 
     model = net()
     holder = Holder(model)
@@ -227,6 +230,12 @@ def test_inside_a_parent_modules_state_dict_it_round_trips():
     for a, b in zip(holder.bema._tracks, other.bema._tracks):
         assert a.step == b.step == 5
         assert torch.equal(a.state_dict()["weights"]["3.bias"], b.state_dict()["weights"]["3.bias"])
+    other = Holder(net(), update_freq=5)
+    with pytest.raises(
+        RuntimeError, match="bema: update_freq 2 in the checkpoint: this Bema has 5"
+    ):
+        other.load_state_dict(state)
+    assert all(t.step == 0 for t in other.bema._tracks)
     del state["bema.theta0.weights.0.weight"]
     fresh = Holder(net())
     with pytest.raises(RuntimeError, match="bema.theta0.weights.0.weight"):

@@ -259,3 +259,40 @@ def test_removed_in_the_except_block_of_its_own_error_it_attaches_again():
     ref.update(model)
     assert ema.step == 2
     ref.check(ema)
+
+
+@pytest.mark.parametrize("point", ["call", "line"])
+def test_an_interrupted_attach_leaves_no_hook_acting(point):
+    """attach() interrupted at any point left its hook registered once the optimizer held it,
+    without a handle the caller could remove: it updated the EMA at every step, twice a step once
+    attached again (or refused the second attach). Now an interrupted attach leaves nothing that
+    updates, a later attach works, and each step updates the EMA once."""
+    from interrupts import InterruptAt, InterruptAtLine, interrupted_everywhere
+
+    torch.manual_seed(5)
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ema = fused_ema.ModelEma(model, 0.9)
+    got = {}
+
+    def step():
+        model(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def after(interrupted):
+        before = ema.step
+        step()
+        assert ema.step == before + (0 if interrupted else 1)
+        handle = ema.attach(opt) if interrupted else got.pop("handle")
+        step()
+        assert ema.step == before + (1 if interrupted else 2)
+        handle.remove()
+        step()
+        assert ema.step == before + (1 if interrupted else 2)
+
+    def call():
+        got["handle"] = ema.attach(opt)
+
+    kind = InterruptAt if point == "call" else InterruptAtLine
+    assert interrupted_everywhere(call, after, point=kind)

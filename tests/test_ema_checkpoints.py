@@ -3,6 +3,9 @@ packages where they install here: ema-pytorch, torch_ema, torch's AveragedModel;
 layout for timm and diffusers). Every rejected checkpoint leaves the EMA bit-identical, and one
 error lists every problem."""
 
+import json
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -580,3 +583,207 @@ def test_a_parents_load_with_keys_the_ema_does_not_know_says_the_ema_was_not_loa
     assert_untouched(target["ema"], before)
     target["ema"].load_state_dict(source["ema"].state_dict())  # the remedy the warning gives
     assert target["ema"].step == 5
+
+
+# ------------------------------------------------------------------------- fixes: complex buffers,
+# numpy steps, loads that match nothing, nested own state dicts, float16 range, tie dtypes, folders
+
+
+class _WithComplexBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("freqs", torch.randn(4, dtype=torch.complex64))
+
+
+def test_a_complex_buffer_is_copied_and_loads_from_every_layout():
+    """A complex buffer was refused by every load ('dtype torch.complex64 cannot be stored in the
+    EMA's torch.complex64'): the EMA's own state dict, the model's and a parent's."""
+    torch.manual_seed(12)
+    model = _WithComplexBuffer()
+    ema = fused_ema.ModelEma(model, decay=0.9)
+    ema.update(model, step=1)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.lin.weight.add_(torch.randn(3, 3))
+        model.freqs.copy_(torch.randn(4, dtype=torch.complex64))
+    ema.update(model, step=2)
+    assert torch.equal(ema.module.freqs, model.freqs)  # copied, not averaged
+    want = start["lin.weight"] + 0.1 * (model.lin.weight.detach() - start["lin.weight"])
+    torch.testing.assert_close(ema.module.lin.weight, want)
+    checkpoint = {k: v + torch.randn_like(v) for k, v in model.state_dict().items()}
+    target = fused_ema.ModelEma(_WithComplexBuffer(), decay=0.9)
+    assert target.load_state_dict(checkpoint).missing_keys == []
+    assert_weights_equal(target, checkpoint)
+    again = fused_ema.ModelEma(_WithComplexBuffer(), decay=0.9)
+    again.load_state_dict(target.state_dict())
+    assert_weights_equal(again, checkpoint)
+    parent = nn.ModuleDict({"ema": fused_ema.ModelEma(_WithComplexBuffer(), decay=0.9)})
+    parent.load_state_dict(nn.ModuleDict({"ema": target}).state_dict())
+    assert_weights_equal(parent["ema"], checkpoint)
+    state = ema.state_dict()
+    state["weights"]["freqs"] = torch.randn(4)
+    rejected(ema, state, "freqs: dtype torch.float32 cannot be stored in the EMA's torch.complex64")
+    state = ema.state_dict()
+    state["weights"]["lin.bias"] = torch.randn(3, dtype=torch.complex64)
+    rejected(ema, state, "lin.bias: dtype torch.complex64 cannot be stored")
+
+
+def test_numpy_steps_that_are_not_one_integer_are_refused_by_name():
+    """np.array([5]) as a step raised a bare TypeError ('only integer scalar arrays ...') from
+    every entry point; a 0-d numpy integer loads as its number."""
+    np = pytest.importorskip("numpy")
+    model, ema = trained_pair(seed=13)
+    averaged = AveragedModel(model, use_buffers=True)
+    averaged.update_parameters(model)
+    for bad in (np.array([5]), np.array([[1, 2]])):
+        state = ema.state_dict()
+        state["step"] = bad
+        rejected(ema, state, "step must be a whole number")
+        swa = averaged.state_dict()
+        swa["n_averaged"] = bad
+        rejected(ema, swa, "n_averaged must be a whole number", strict=False)
+        before = frozen(ema)
+        for attempt in (
+            lambda b=bad: ema.load_state_dict(ema.state_dict(), step=b),
+            lambda b=bad: setattr(ema, "step", b),
+            lambda b=bad: ema.update(model, step=b),
+        ):
+            with pytest.raises(ValueError, match="step must be a whole number"):
+                attempt()
+            assert_untouched(ema, before)
+    for good in (np.int64(7), np.array(7)):
+        state = ema.state_dict()
+        state["step"] = good
+        other_model, target = trained_pair(seed=14)
+        target.load_state_dict(state)
+        assert target.step == 7
+        target.load_state_dict(ema.state_dict(), step=good)
+        assert target.step == 7
+        target.step = good
+        assert target.step == 7
+        twin = fused_ema.ModelEma(other_model, decay=0.9)
+        twin.load_state_dict(target.state_dict())
+        old = target.state_dict()["weights"]["0.weight"].clone()
+        target.update(other_model, step=good)
+        twin.update(other_model, step=7)
+        assert target.step == 7
+        want = old + 0.1 * (other_model[0].weight.detach() - old)
+        torch.testing.assert_close(target.state_dict()["weights"]["0.weight"], want)
+        assert_weights_equal(target, twin.state_dict()["weights"])
+
+
+def test_strict_false_loading_no_tensor_keeps_step_and_schedule():
+    """A non-strict load that matched no tensor took the other checkpoint's step and schedule
+    (or, with no step in it, restarted at update_after_step + 1 with a warning), so the EMA held
+    one run's weights at another's step."""
+    torch.manual_seed(15)
+    model, ema = trained_pair(seed=15, warmup=(2.0, 0.5), update_after_step=1)
+    other = fused_ema.ModelEma(nn.Linear(5, 2), decay=0.5, warmup=True, update_after_step=7)
+    other.step = 99
+    every = sorted(ema.names())
+    for foreign in (nn.Linear(5, 2).state_dict(), other.state_dict()):
+        before = frozen(ema)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = ema.load_state_dict(foreign, strict=False)
+        assert [str(w.message) for w in caught] == []
+        assert sorted(result.missing_keys) == every
+        assert_untouched(ema, before)
+    weights, _, schedule = frozen(ema)
+    ema.load_state_dict(nn.Linear(5, 2).state_dict(), strict=False, step=40)
+    assert ema.step == 40
+    assert_untouched(ema, (weights, 40, schedule))
+    source = fused_ema.ModelEma(model, decay=0.7, update_after_step=3)
+    source.step = 13
+    with torch.no_grad():
+        for p in source.module.parameters():
+            p.add_(torch.randn_like(p))
+    state = source.state_dict()
+    del state["weights"]["0.bias"]
+    assert ema.load_state_dict(state, strict=False).missing_keys == ["0.bias"]
+    assert ema.step == 13 and ema.schedule == source.schedule
+    assert_weights_equal(ema, state["weights"])
+
+
+def test_a_training_checkpoint_holding_the_emas_state_dict_loads_it(tmp_path):
+    """The README's layout loaded state_dict_ema (a timm checkpoint): the step fell to
+    update_after_step + 1 and the schedule stayed the fresh EMA's. Two fused_ema state dicts in
+    one checkpoint are ambiguous."""
+    model, ema = trained_pair(seed=16, warmup=(2.0, 0.5), update_after_step=2, update_every=2)
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "state_dict_ema": ema.module.state_dict(),
+        "ema": ema.state_dict(),
+    }
+    torch.save(checkpoint, tmp_path / "train.pt")
+    again = fused_ema.ModelEma(small_mlp(), decay=0.5)
+    assert again.load_state_dict(tmp_path / "train.pt").format == "fused_ema"
+    assert again.step == ema.step == 6 and again.schedule == ema.schedule
+    assert_weights_equal(again, ema.state_dict()["weights"])
+    _, slow = trained_pair(seed=17, decay=0.99)
+    torch.save({**checkpoint, "ema_slow": slow.state_dict()}, tmp_path / "two.pt")
+    rejected(trained_pair(seed=18)[1], tmp_path / "two.pt", "holds 2 fused_ema state dicts")
+
+
+def test_float32_values_past_float16s_range_are_refused():
+    """A float16 EMA silently loaded 70000.0 as inf. Values in range, and a checkpoint's own
+    inf/NaN (finite values only are checked), load as torch's cast gives them."""
+    torch.manual_seed(19)
+    for ema in (
+        fused_ema.ModelEma(small_mlp(), decay=0.9, dtype=torch.float16),
+        fused_ema.ModelEma(small_mlp(), decay=0.9).to(torch.float16),
+    ):
+        weights = {
+            k: torch.randn(v.shape) if v.is_floating_point() else v
+            for k, v in ema.state_dict()["weights"].items()
+        }
+        for big in (70000.0, -1e6):
+            bad = {**weights, "0.weight": weights["0.weight"].clone()}
+            bad["0.weight"][1, 2] = big
+            err = rejected(ema, bad, "0.weight: values up to", "torch.float16", "infinite")
+            assert len(err.problems) == 1
+        fine = {**weights, "0.weight": weights["0.weight"].clone()}
+        fine["0.weight"][0, :4] = torch.tensor([65504.0, -65000.0, float("inf"), float("nan")])
+        ema.load_state_dict(fine)
+        got = ema.state_dict()["weights"]["0.weight"]
+        want = fine["0.weight"].half()
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_a_tie_given_in_two_dtypes_says_so():
+    """A tie given as float64 and float32 with the same values was said to 'hold different
+    values'."""
+    torch.manual_seed(20)
+    ema = fused_ema.ModelEma(TiedNet(), decay=0.5)
+    state = ema.state_dict()
+    value = torch.randn_like(state["weights"]["embed.weight"])
+    state["weights"]["embed.weight"] = value.double()
+    state["weights"]["head.weight"] = value.clone()
+    err = rejected(ema, state, "tied to embed.weight", "have different dtypes")
+    assert "hold different values" not in str(err)
+
+
+def test_a_bad_folder_index_and_buffers_entry_are_named(tmp_path):
+    """A weight_map that is a list gave AttributeError text, and one naming '../x.safetensors'
+    read a file outside the folder; a 'buffers' entry of 42 was ignored."""
+    from safetensors.torch import save_file
+
+    model, ema = trained_pair(seed=21)
+    values = {
+        k: v + torch.randn_like(v) if v.is_floating_point() else v
+        for k, v in model.state_dict().items()
+    }
+    save_file(values, str(tmp_path / "x.safetensors"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file(values, str(folder / "diffusion_pytorch_model.safetensors"))
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    for weight_map in (list(values), {k: "../x.safetensors" for k in values}):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        rejected(ema, folder, "'weight_map'")
+    state = ema.state_dict()
+    state["buffers"] = 42
+    rejected(ema, state, "buffers must be one of", "got 42")
+    rejected(ema, state, "buffers must be one of", strict=False)

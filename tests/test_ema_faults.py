@@ -410,19 +410,36 @@ def test_a_model_tensor_sharing_the_emas_memory_is_named_and_changes_nothing(nam
     torch.testing.assert_close(ema.state_dict()["weights"][name], expected, rtol=0, atol=1e-6)
 
 
-def test_ema_tensors_converted_through_ema_module_are_named_and_change_nothing():
-    """ema.module.double() converts the EMA's tensors under the EMA: the ops refuse the dtype pair
-    by list index; ModelEma names the tensors and the way out, and changes nothing."""
+def test_the_emas_own_module_passed_as_the_model_is_named():
+    """ema.update(ema.module), and an EMA tensor put into the model as a new Parameter, raised a
+    StructureMismatchError ("replaced by a new tensor") whose advice, resync(), then bound the
+    EMA to its own tensors."""
     model, ema = moved_ema()
-    ema.module.double()
     before = state_of(ema)
-    hold = r"EMA tensors hold a dtype .*0\.weight \(torch.float64, the model's torch.float32\)"
+    with pytest.raises(ValueError, match=r"the model's 0.weight shares memory with the EMA's 0.w"):
+        ema.update(ema.module)
+    model[0].weight = nn.Parameter(ema.module[0].weight.detach())
+    with pytest.raises(ValueError, match=r"the model's 0.weight shares memory with the EMA's 0.w"):
+        ema.update(model)
+    assert_same_state(ema, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_ema_tensors_converted_through_ema_module_are_named_and_change_nothing(dtype):
+    """ema.module.double() converts the EMA's tensors under the EMA: the ops refused the dtype pair
+    by list index; ema.module.half() and .bfloat16() (a supported pair) went through, and the EMA
+    averaged in 16 bits from then on. ModelEma names the tensors and the way out, and changes
+    nothing."""
+    model, ema = moved_ema()
+    ema.module.to(dtype)
+    before = state_of(ema)
+    hold = rf"converted behind the EMA's back: 0\.weight \({dtype}, averaged in torch.float32\)"
     with pytest.raises(ValueError, match=hold):
         ema.update(model)
     assert_same_state(ema, before)
     ema.to(torch.float32)
     ema.update(model)  # averaged again once converted as a whole
-    expected = before[0]["0.weight"].lerp(model[0].weight.double(), 0.5).float()
+    expected = before[0]["0.weight"].double().lerp(model[0].weight.double(), 0.5).float()
     torch.testing.assert_close(ema.module[0].weight, expected, rtol=0, atol=1e-6)
     model.double()  # the model's dtype moved, not the EMA's: the cast source is not the error
     model[1].running_mean.untyped_storage().resize_(0)

@@ -157,6 +157,18 @@ def test_sparse_tensors_are_refused_by_name_and_can_be_left_out():
     with pytest.raises(ValueError, match="buffer adj is a torch.sparse_coo tensor"):
         grown.update(grown_model)
     assert grown.step == 0
+    # A buffer the EMA holds, replaced by a sparse one of its shape (followed, not made anew): an
+    # update failed naming a list index, and resync() took it.
+    replaced = small_mlp()
+    ema = fused_ema.ModelEma(replaced, decay=0.5)
+    ema.update(replaced)
+    before = {k: v.clone() for k, v in ema.state_dict()["weights"].items()}
+    replaced[1].running_mean = replaced[1].running_mean.to_sparse()
+    for call in (ema.update, ema.resync):
+        with pytest.raises(ValueError, match=r"buffer 1.running_mean is a torch.sparse_coo tensor"):
+            call(replaced)
+    assert ema.step == 1
+    assert all(torch.equal(v, ema.state_dict()["weights"][k]) for k, v in before.items())
 
 
 def test_lazy_modules_are_refused_until_materialized_by_name():

@@ -292,6 +292,30 @@ def test_validate_test_predict_from_a_checkpoint_use_its_ema(tmp_path):
         assert_same(snapshot(fresh), model.reference.history[-1], f"after {call.__name__}")
 
 
+def test_a_weights_only_checkpoint_is_evaluated_with_its_own_weights(tmp_path):
+    """validate/test/predict(ckpt_path=) of a checkpoint saved with save_weights_only=True (no
+    callback state) swapped in the EMA of the end of fit: another point of training than the
+    checkpoint's, without a word. Now its own weights are evaluated, with a warning."""
+    model, callback = Net(), EMACallback(decay=DECAY)
+    run = trainer(tmp_path, [callback], max_epochs=1)
+    run.fit(model, loader(1))
+    run.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    run.save_checkpoint(tmp_path / "full.ckpt")
+    with torch.no_grad():  # the model moves on: the checkpoint's weights are what it holds
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    for call in (run.validate, run.test, run.predict):
+        model.seen.clear()
+        with pytest.warns(UserWarning, match="holds no EMACallback state"):
+            call(model, loader(3), ckpt_path=tmp_path / "weights.ckpt")
+        for _, _, weights in model.seen:
+            assert_same(weights, model.reference.history[-1], f"{call.__name__}: its own weights")
+    model.seen.clear()
+    run.validate(model, loader(3), ckpt_path=tmp_path / "full.ckpt")  # with the state: its EMA
+    for _, _, weights in model.seen:
+        assert_same(weights, model.reference.weights, "validate with the callback state")
+
+
 class FailingPredict(Net):
     def predict_step(self, batch, batch_idx):
         raise ValueError("predict failed on purpose")

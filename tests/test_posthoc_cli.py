@@ -92,6 +92,12 @@ def test_bad_input_exits_2_with_one_line(snapshots, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     bad([str(empty), "--sigma-rel", "0.1", "--out", out], capsys, "holds no snapshots")
+    fifo, link = tmp_path / "out.fifo", tmp_path / "link.safetensors"
+    os.mkfifo(fifo)
+    link.symlink_to(tmp_path / "elsewhere.safetensors")
+    for special in (fifo, link):  # the atomic write's rename would replace them
+        bad([d, "--sigma-rel", "0.1", "--out", str(special)], capsys, "not a regular file")
+    assert link.is_symlink() and not (tmp_path / "elsewhere.safetensors").exists()
     snapshot = sorted(snapshots.glob("*.safetensors"))[-1]
     before = snapshot.read_bytes()
     bad([d, "--sigma-rel", "0.1", "--out", str(snapshot)], capsys, "is a snapshot of the folder")

@@ -138,8 +138,20 @@ def same_weights(before, tracks) -> bool:
         lambda e, model, opt: setattr(e, "update_every", 3),
         lambda e, model, opt: setattr(e, "update_after_step", 2),
         lambda e, model, opt: setattr(e, "step", 7),
+        lambda e, model, opt: e.to(torch.float64),  # accepted, then every update of the set failed
+        lambda e, model, opt: e.half(),
     ],
-    ids=["update", "attach", "decay", "min_decay", "update_every", "update_after_step", "step"],
+    ids=[
+        "update",
+        "attach",
+        "decay",
+        "min_decay",
+        "update_every",
+        "update_after_step",
+        "step",
+        "to",
+        "half",
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("k", [0, 1])
 def test_no_track_updates_attaches_or_changes_its_schedule_alone(tmp_path, change, k):
@@ -161,6 +173,21 @@ def test_no_track_updates_attaches_or_changes_its_schedule_alone(tmp_path, chang
     PostHocEma(net(), (0.05, 0.1)).load_state_dict(ph.state_dict())
     ph.close()
     assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+
+def test_the_set_converts_and_moves_its_tracks_together():
+    """ph.double() and friends went through nn.Module's _apply, which leaves the tracks where
+    they are: they returned the set unconverted."""
+    model = net()
+    ph = PostHocEma(model, (0.05, 0.1))
+    ph.update(model)
+    for convert, dtype in ((ph.double, torch.float64), (ph.half, torch.float16),
+                           (ph.float, torch.float32), (ph.cpu, torch.float32)):  # fmt: skip
+        assert convert() is ph
+        for e in ph.emas:
+            assert {t.dtype for t in e.module.parameters()} == {dtype}
+    ph.update(model)
+    assert [e.step for e in ph.emas] == [2, 2]
 
 
 @pytest.mark.parametrize("tensor", [False, True], ids=["int", "tensor"])
@@ -416,12 +443,16 @@ def test_a_damaged_checkpoint_is_refused_whole_and_changes_nothing():
             assert torch.equal(value, e.state_dict()["weights"][name]), name
 
 
-def test_inside_a_parent_modules_state_dict_it_round_trips():
+def test_inside_a_parent_modules_state_dict_it_round_trips(tmp_path):
+    """...and a parent's load checks the widths the tracks were saved with (through torch.save
+    too): they reached the tracks' checks only in a load of the PostHocEma itself, so a parent's
+    load took EMAs of other widths under this one's gammas (its snapshots then mislabelled)."""
+
     class Holder(nn.Module):
-        def __init__(self, model):
+        def __init__(self, model, sigma_rels=(0.05, 0.1)):
             super().__init__()
             self.model = model
-            self.ema = PostHocEma(model, (0.05, 0.1))
+            self.ema = PostHocEma(model, sigma_rels)
 
     model = net()
     holder = Holder(model)
@@ -433,6 +464,15 @@ def test_inside_a_parent_modules_state_dict_it_round_trips():
     for a, b in zip(holder.ema.emas, other.ema.emas):
         assert a.step == b.step == 4
         assert torch.equal(a.state_dict()["weights"]["3.bias"], b.state_dict()["weights"]["3.bias"])
+    torch.save(state, tmp_path / "holder.pt")
+    wider = Holder(net(), (0.2, 0.25))
+    before = [e.state_dict()["weights"]["3.bias"].clone() for e in wider.ema.emas]
+    with pytest.raises(RuntimeError, match=r"ema: gammas .* this PostHocEma tracks"):
+        wider.load_state_dict(torch.load(tmp_path / "holder.pt", weights_only=True))
+    assert all(e.step == 0 for e in wider.ema.emas)
+    assert all(
+        torch.equal(b, e.state_dict()["weights"]["3.bias"]) for b, e in zip(before, wider.ema.emas)
+    )
 
 
 def test_bad_arguments_are_refused_clearly():
@@ -492,7 +532,9 @@ def test_a_snapshot_that_cannot_be_written_is_reported_by_the_next_call(tmp_path
     model = net()
     ph = PostHocEma(model, (0.1,), snapshot_every=1, snapshot_dir=tmp_path)
     ph.update(model)
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(
+        RuntimeError, match=r"000000-ema0.safetensors \(update count 1\).*disk full"
+    ):
         ph.synchronize()
     assert not any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
 
@@ -750,3 +792,54 @@ def test_a_checkpoint_of_another_snapshot_every_is_refused(tmp_path):
         target.load_state_dict(source.state_dict())
     assert target.step == 0 and same_weights(before, target.emas)
     source.close()
+
+
+def test_a_failed_non_blocking_update_leaves_the_snapshots_labelled_by_their_update(
+    tmp_path, monkeypatch
+):
+    """A non_blocking update whose worker fails is undone; PostHocEma's own update count, which
+    labels the snapshots, stayed one ahead of it, so every later snapshot was taken one update
+    early under a step its values did not have, and one due at the failed update was lost. The
+    run equals one that skipped the failed updates, file for file."""
+    import threading
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    import fused_ema._update.plan as plan
+
+    fail, real = {"on": False}, plan.lerp_many_
+
+    def flaky(*args, **kwargs):
+        if fail["on"] and threading.current_thread() is not threading.main_thread():
+            fail["on"] = False
+            raise RuntimeError("worker failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "lerp_many_", flaky)
+    model = net()
+    ref = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path / "ref")
+    later = PostHocEma(model, (0.05, 0.1), snapshot_every=2, snapshot_dir=tmp_path / "nb")
+    failing = (3, 6)  # 6: an update that takes a snapshot (update count 6)
+
+    def step(t):
+        fail["on"] = t in failing
+        later.update(model, non_blocking=True)
+        if t in failing:
+            with pytest.raises(RuntimeError, match="worker failed"):
+                later.synchronize()
+        else:
+            ref.update(model)
+
+    train(model, 12, step)
+    ref.synchronize()
+    later.synchronize()
+    assert later.step == ref.step == 10
+    names = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "nb").iterdir()) and len(names) == 10
+    for name in names:
+        a, b = tmp_path / "ref" / name, tmp_path / "nb" / name
+        with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+            assert fa.metadata()["step"] == fb.metadata()["step"], name
+        x, y = load_file(str(a)), load_file(str(b))
+        assert all(torch.equal(x[n], y[n]) for n in x), name

@@ -94,11 +94,7 @@ class EntryPolicy:
                 )
             t = zero3.partition(tracked.tensor).detach()
         refuse_freed([(tracked.name, t)], "the model's")  # the copy below would read it
-        if t.layout != torch.strided:
-            raise ValueError(
-                f"fused_ema: {tracked.kind} {tracked.name} is a {t.layout} tensor; the EMA holds "
-                f"dense (strided) tensors. Leave it out: ignore_names=[{tracked.name!r}]"
-            )
+        check_dense(tracked, t)
         if t.is_complex() and tracked.kind == PARAM:
             raise ValueError(
                 f"fused_ema: parameter {tracked.name} is {t.dtype}; the fused kernels average real "
@@ -165,6 +161,16 @@ class Changes:
 def average_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype an EMA of dtype= `dtype` averages the floating tensor `t` in."""
     return dtype or (torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def check_dense(tracked: Tracked, t: torch.Tensor | None = None) -> None:
+    """Refuses, by name, a sparse (or other non-strided) model tensor: the kernels read dense."""
+    t = tracked.tensor if t is None else t
+    if t.layout != torch.strided:
+        raise ValueError(
+            f"fused_ema: {tracked.kind} {tracked.name} is a {t.layout} tensor; the EMA holds "
+            f"dense (strided) tensors. Leave it out: ignore_names=[{tracked.name!r}]"
+        )
 
 
 def _kind(t: torch.Tensor) -> int:

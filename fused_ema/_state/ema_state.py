@@ -22,10 +22,12 @@ from ..checkpoint import (
     LoadResult,
     filter_problems,
     is_value,
+    own_state,
     prepare_load,
     read_source,
 )
 from ..errors import CheckpointError, PrecisionWarning
+from .options import BUFFER_MODES
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Inside a parent's state dict: {prefix}weights.{name}, {prefix}step, and these settings in its
@@ -110,6 +112,7 @@ class EmaState:
         be a file path; `step` overrides the checkpoint's. Returns (prepared, rounding)."""
         step = None if step is None else self.schedule.as_value(step)
         state, source = read_source(state, source)
+        state = own_state(state)
         rounding, problems = None, []
         own = isinstance(state, Mapping) and is_value(state.get("format"), FORMAT)
         if own and "rounding" in state:
@@ -117,6 +120,8 @@ class EmaState:
                 rounding = rounding_from_state(state["rounding"])
             except (TypeError, ValueError) as err:
                 problems.append(f"rounding: {err}")
+        if own and not any(is_value(state.get("buffers", "average"), b) for b in BUFFER_MODES):
+            problems.append(f"buffers must be one of {BUFFER_MODES}, got {state['buffers']!r}")
         binding = self.binding
         model, param_names = binding.model_ref(), None
         if model is not None and binding.policy.ignore:  # its positions count the ignored ones
@@ -136,6 +141,8 @@ class EmaState:
             raise CheckpointError(err.problems + problems, source) from err
         if problems:
             raise CheckpointError(problems, source)
+        if not prepared.values and binding.table.entries:
+            rounding = None  # nothing loads (strict=False): the EMA keeps its settings
         return prepared, rounding
 
     def apply(self, prepared, rounding) -> LoadResult:

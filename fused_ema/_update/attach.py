@@ -34,7 +34,9 @@ class StepHook:
         # themselves (torch's fused ones) for the duration of step(); reading it costs one sync,
         # as the scaler's own check does.
         found_inf = getattr(optimizer, "found_inf", None)
-        if ema is None or (isinstance(found_inf, torch.Tensor) and bool(found_inf)):
+        if ema is None or self.handle is None:  # gone, or its attach() was interrupted
+            return
+        if isinstance(found_inf, torch.Tensor) and bool(found_inf):
             return
         model = self._model() if self._model is not None else ema._binding.model_ref()
         if model is None:
@@ -68,7 +70,12 @@ def attach(ema, optimizer, model, non_blocking: bool, live: weakref.WeakSet):
             "step. Call .remove() on the handle the first attach() returned, then attach again."
         )
     hook = StepHook(ema, model, non_blocking)
-    handle = register(hook)
-    hook.handle = handle
-    live.add(hook)
-    return handle
+    try:
+        hook.handle = register(hook)  # the hook acts once it holds its handle
+        live.add(hook)
+        return hook.handle
+    except BaseException:  # interrupted: no hook left acting that the caller has no handle of
+        if hook.handle is not None:
+            hook.handle.remove()
+            hook.handle = None
+        raise

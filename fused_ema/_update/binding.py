@@ -15,10 +15,37 @@ from .._dist.dtensor import is_dtensor, local, refuse_unsharded
 from .._ext.grad import outside_inference_mode, without_grad
 from .._ext.loader import _C
 from .._model.module_view import EmaForwardCheck, SwappedModelView, build_module
-from .._model.tracking import EntryPolicy, EntryTable, unbound
+from .._model.tracking import EntryPolicy, EntryTable, check_dense, unbound
 from .._model.walk import named_tensors
 from ..ops import refuse_freed
 from .plan import UpdatePlan
+
+
+class NamedError(ValueError):
+    """A refusal that names its tensors itself (the ops' errors give list indices)."""
+
+
+def _memory(t):
+    """Where a plain dense tensor's storage is; None for others (meta, empty: none)."""
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+    return t.untyped_storage().data_ptr() or None if plain and t.numel() else None
+
+
+def shared_with_ema(entries, named) -> list[str]:
+    """The model tensors of `named` ((name, tensor) pairs, their storage intact) whose memory is
+    one of the EMA `entries`' tensors', each with the EMA tensor it shares."""
+    ours = {}
+    for e in entries:
+        ours.setdefault(_memory(e.ema), e.name)
+    ours.pop(None, None)
+    return [
+        f"the model's {name} shares memory with the EMA's {ours[_memory(t)]} (the EMA must own "
+        "its tensors: was an EMA tensor put into the model, or the EMA's module passed as the "
+        "model?)"
+        for name, t in named
+        if _memory(t) in ours
+    ]
+
 
 _RESYNC_HINT = (
     "Call ema.resync(model) to follow the model (tensors keep their average under their new "
@@ -71,6 +98,8 @@ class Binding:
         those FSDP2 holds unsharded (see refuse_unsharded)."""
         tracked = self.policy.select(named_tensors(model, self.with_buffers))
         refuse_unsharded(self.table.by_name, tracked, self.policy.shard)
+        for t in tracked:  # (a buffer replaced by a sparse one is followed, not made anew)
+            check_dense(t)
         return tracked
 
     def schedule_device(self, table: EntryTable | None = None) -> torch.device:
@@ -99,6 +128,12 @@ class Binding:
         it goes into `undos` (nothing when the current plan fits). `trusted`: the prepared update
         checks what the tensors hold, so the plan need only hold the same objects."""
         plan = self.plan
+        converted = [] if plan is None else plan.converted(self.table)
+        if converted:
+            raise NamedError(
+                f"fused_ema: EMA tensors converted behind the EMA's back: {', '.join(converted)} "
+                "(through ema.module? ema.to(dtype) converts the whole EMA); nothing was changed"
+            )
         if self.vouches(snapshot) and (trusted or plan.same_tensors(walk)):
             if names is None:  # the walk cache vouched for the objects and names
                 return plan
@@ -110,6 +145,9 @@ class Binding:
         tracked = self.tracked(model)
         table = self.table
         changes = table.changes(tracked)
+        shared = changes and shared_with_ema(table.entries, [(t.name, t.tensor) for t in tracked])
+        if shared:  # (rather than the structure change it looks like)
+            raise NamedError(f"fused_ema: {', '.join(shared)}; nothing was changed")
         if changes and self.on_mismatch == "error":
             raise changes.error(_RESYNC_HINT)
         # Changed, or partitioned by ZeRO-3 since the EMA was built (each rank keeps its slice).

@@ -160,6 +160,10 @@ class UpdatePlan:
         self.names = names  # the walk's hash of every module, parameter and buffer name
         self.refs = tuple(None if t is None else weakref.ref(t) for t in walk)
         self.signature = walk_signature(walk)
+        # Only ema.to() converts EMA tensors, and it drops the plan: a dtype that moved since is
+        # a conversion behind the EMA's back (ema.module.half()), refused by converted().
+        self._emas = [e.ema for e in table.entries]
+        self._ema_dtypes = [t.dtype for t in self._emas]
         position = {id(t): i for i, t in reversed(list(enumerate(walk)))}  # first occurrences
         self.groups: dict[torch.device, DeviceGroup] = {}
         self.copies: dict[tuple, CopyGroup] = {}
@@ -260,6 +264,17 @@ class UpdatePlan:
         they still hold what it was built for). None when that cannot be told without walking."""
         cache = self._walk_cache
         return None if cache is None else _C.walk_unchanged(cache, model)
+
+    def converted(self, table: EntryTable) -> list[str]:
+        """The EMA tensors of `table` converted to another dtype since this plan was made."""
+        if [t.dtype for t in self._emas] == self._ema_dtypes:
+            return []
+        was = {id(t): d for t, d in zip(self._emas, self._ema_dtypes)}
+        return [
+            f"{e.name} ({e.ema.dtype}, averaged in {was[id(e.ema)]})"
+            for e in table.entries
+            if was.get(id(e.ema), e.ema.dtype) != e.ema.dtype
+        ]
 
     def same_tensors(self, walk: list) -> bool:
         """Whether the walk's tensors (this plan's objects) keep their types, dtypes, layouts,

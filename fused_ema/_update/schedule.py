@@ -68,11 +68,13 @@ def _real(name: str, value, low: float, high: float) -> float:
 
 def whole_number(name: str, value, low: int, high: int = MAX_STEP) -> int:
     """An int (or numpy integer) in [low, high]; refuses bool, float, NaN and other types."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # a numpy scalar or 0-d array: its Python number, checked below
     if isinstance(value, bool) or isinstance(value, float):
         raise ValueError(f"{name} must be a whole number in [{low}, {high}], got {value!r}")
     # Asked, not tried: torch.compile traces this (a compiled update's step), and dynamo fails
     # on a TypeError raised inside operator.index on some torch versions.
-    if not hasattr(type(value), "__index__"):
+    if not hasattr(type(value), "__index__") or type(value).__module__ == "numpy":
         raise ValueError(
             f"{name} must be a whole number in [{low}, {high}], got {type(value).__name__} "
             f"{value!r}"
@@ -214,6 +216,7 @@ class Schedule:
         self.config = _config(options, device)
         without_grad(self._compute, False)
         self._dirty = False
+        self.rollbacks = 0  # updates undone so far: a count cached elsewhere is stale after one
 
     def _compute(self, advance: bool) -> None:
         torch.ops.fused_ema.ema_schedule_(self.step, self.out, self.config, advance)
@@ -285,6 +288,7 @@ class Schedule:
             self.step.copy_(self._saved)
             self._compute(advance=False)
             self._dirty = False
+            self.rollbacks = getattr(self, "rollbacks", 0) + 1
 
     def note_capture(self) -> None:
         if self.step.is_cuda and torch.cuda.is_current_stream_capturing():

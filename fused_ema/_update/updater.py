@@ -19,6 +19,7 @@ from .._model.tracking import average_dtype
 from .._model.walk import tensor_walk, walk_agrees
 from ..ops import freed_tensors, storage_shortfall
 from . import prepared as prep
+from .binding import shared_with_ema
 from .nonblocking import AsyncRunner
 from .schedule import whole_number
 
@@ -35,29 +36,17 @@ def _refused_tensors(tracks, model) -> str:
     (ema.module.double()), as the error names them (the ops can only give list indices); empty
     when none is."""
 
-    def memory(t):  # where a plain dense tensor's storage is; None for others (meta: none)
-        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
-        return t.untyped_storage().data_ptr() or None if plain and t.numel() else None
-
-    ema_storages, converted = {}, []
+    converted = []
     for track in tracks:
         dtype = track.binding.policy.dtype
         for e in track.binding.table.entries:
-            ema_storages.setdefault(memory(e.ema), e.name)
             source = e.bound()
             if e.average and source is not None and e.ema.dtype != average_dtype(source, dtype):
                 converted.append(f"{e.name} ({e.ema.dtype}, the model's {source.dtype})")
-    ema_storages.pop(None, None)
     named = [*model.named_parameters(), *model.named_buffers()]
     found = [f"the model's {what}" for what in freed_tensors(named)]
-    for name, t in named:
-        shared = ema_storages.get(memory(t))
-        if shared is not None and storage_shortfall(t) is None:
-            found.append(
-                f"the model's {name} shares memory with the EMA's {shared} (the EMA must own its "
-                "tensors: was an EMA tensor put into the model, or the EMA's module passed as the "
-                "model?)"
-            )
+    entries = [e for track in tracks for e in track.binding.table.entries]
+    found += shared_with_ema(entries, [(n, t) for n, t in named if storage_shortfall(t) is None])
     if converted and not found:  # (a model whose dtype changed is staged: not the cause then)
         found.append(
             f"EMA tensors hold a dtype the EMA does not average them in: {', '.join(converted)} "
@@ -121,12 +110,7 @@ class Updater:
         """One update of `ema` toward `model` (unwrapped); `values` are those a compiled program
         walked. A failure leaves the step, the schedule and the binding as they were. Another
         thread's update meanwhile is refused: the two would average into the same tensors."""
-        if not self.lock.acquire(blocking=False):
-            raise RuntimeError(
-                "fused_ema: ModelEma.update() is already running in another thread; two updates "
-                "at once would tear the EMA tensors and their step. Update from one thread (or "
-                "hold a lock around the calls)"
-            )
+        lock = self._acquire("ModelEma.update()")
         try:
             for track in (self, *self.followers):  # a follower's tensors are written too
                 track.ready("update")
@@ -162,7 +146,28 @@ class Updater:
             if done:
                 self._end(commit=True)
         finally:
-            self.lock.release()
+            lock.release()
+
+    def _acquire(self, what: str):
+        """The lock of this EMA (its set's, for a track) for one call that reads and writes its
+        tensors; another thread's such call meanwhile is refused: the two would tear them."""
+        lock = (self.leader or self).lock
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"fused_ema: {what}: an update, load or swapped() of this EMA is already running "
+                "in another thread; two at once would tear the EMA tensors and their step. Use "
+                "the EMA from one thread (or hold a lock around the calls)"
+            )
+        return lock
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str):
+        """_acquire() for the block."""
+        lock = self._acquire(what)
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _schedules(self) -> list:
         return [self.schedule] + [f.schedule for f in self.followers]
@@ -318,6 +323,10 @@ class Updater:
     @contextlib.contextmanager
     def lend(self, model):
         """ModelEma.swapped(): the EMA weights in `model`'s own tensors for the block."""
+        with self.exclusive("ema.swapped()"):  # the whole block: no update of another thread
+            yield from self._lend(model)
+
+    def _lend(self, model):
         pairs = self.binding.pairs_with(model)
         check_writable(pairs)
         swap = Swap(pairs)  # prepared: nothing written yet

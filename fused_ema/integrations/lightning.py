@@ -60,6 +60,7 @@ class EMACallback(Callback):
         self._pending: dict | None = None  # callback state loaded before the EMA was bound
         self._last_step: int | None = None
         self._fresh = False  # an EMA built by this fit that no checkpoint state went into
+        self._restored = False  # this trainer call's checkpoint held the callback's state
 
     # ------------------------------------------------------------------ binding and state
 
@@ -91,6 +92,7 @@ class EMACallback(Callback):
         if "ema" not in state_dict:
             raise KeyError(f"EMACallback state without an 'ema' entry: keys {sorted(state_dict)}")
         self._pending = state_dict["ema"]  # loaded into the EMA when fit, validate, ... start
+        self._restored = True
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         """A checkpoint written while the EMA weights are swapped in: its "state_dict" (the
@@ -137,6 +139,15 @@ class EMACallback(Callback):
         """Validation, test and predict run with the EMA weights swapped in (swap_eval)."""
         if not self.swap_eval:
             return
+        if trainer.ckpt_path is not None and trainer.state.fn != "fit" and not self._restored:
+            # (save_weights_only=True): another EMA than the checkpoint's would be evaluated
+            warnings.warn(
+                f"fused_ema: {trainer.ckpt_path} holds no EMACallback state (saved with "
+                "save_weights_only=True, or without this callback): its own weights are "
+                "evaluated, not an EMA",
+                stacklevel=2,
+            )
+            return
         self._bind(pl_module, create=False)
         if self.ema is not None:
             self._swap.enter(self.ema, pl_module)
@@ -145,5 +156,9 @@ class EMACallback(Callback):
         """The training weights back: when each evaluation ends, on an exception, at teardown."""
         self._swap.leave()
 
+    def teardown(self, trainer, *args, **kwargs) -> None:
+        self._swap.leave()
+        self._restored = False  # the next trainer call restores its own checkpoint, if any
+
     on_test_start = on_predict_start = on_validation_start
-    on_test_end = on_predict_end = on_exception = teardown = on_validation_end
+    on_test_end = on_predict_end = on_exception = on_validation_end

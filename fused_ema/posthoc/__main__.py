@@ -107,6 +107,9 @@ def main(argv=None) -> int:
                 raise FileNotFoundError(f"no folder {path.parent} to write {option} into")
             if path is not None and path.is_dir():
                 raise IsADirectoryError(f"{option} {path} is a folder, not a file")
+            if path is not None and (path.is_symlink() or (path.exists() and not path.is_file())):
+                # written atomically, by a rename: it would replace the link or device itself
+                raise ValueError(f"{option} {path} exists and is not a regular file")
         if args.plot is not None:
             check_plot_format(args.plot)
         for option, path in (("--out", args.out), ("--plot", args.plot)):

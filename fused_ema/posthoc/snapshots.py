@@ -294,6 +294,7 @@ class Snapshots:
         self.resumed = False  # restored from a checkpoint: may replace later snapshots
         self.checked = False  # the folder has been checked for another run's snapshots
         self._staging: Job | None = None  # the last snapshot's staging: wait_staged() waits
+        self._not_staged = None  # (index, last_step) to go back to: its update failed
         self._written: list[Job] = []
 
     def due(self, t: int | None) -> bool:
@@ -372,15 +373,19 @@ class Snapshots:
         # and an earlier write's failure would lose this snapshot; the next call raises it)
         self.wait_staged()
         host: list = []
+        before = (index, self.last_step)
 
         def stage() -> None:
             # On the worker: the CPU tensors copied out of the EMA into `host`, unless the update
-            # they come from failed (it wrote nothing; its error reaches the caller).
+            # they come from failed (it wrote nothing, its error reaches the caller, and the
+            # update count it would have reached takes this snapshot when reached again).
             if wait_for is None or wait_for.wait() is None:
                 for path, pinned, on_cpu, metadata in files:
                     host.append(
                         (path, {**pinned, **snapshot_tensors(on_cpu, self.dtype)}, metadata)
                     )
+            else:
+                self._not_staged = before
 
         def write() -> None:
             if staging.wait() is not None:  # (run before it, unless a second thread took it)
@@ -390,7 +395,12 @@ class Snapshots:
             for event in events:
                 event.synchronize()
             for path, tensors, metadata in host:
-                write_snapshot(path, tensors, metadata)
+                try:
+                    write_snapshot(path, tensors, metadata)
+                except Exception as err:  # named: the writer's own message names a temporary
+                    raise OSError(
+                        f"{path} (update count {t}): {type(err).__name__}: {err}"
+                    ) from err
 
         staging, writing = Job(stage), Job(write)
         try:
@@ -416,6 +426,9 @@ class Snapshots:
         """Before the EMA changes: the last snapshot's tensors have been copied out of it."""
         if self._staging is not None:
             self._staging.wait()
+        if getattr(self, "_not_staged", None) is not None:  # (absent in older pickles)
+            self.next_index, self.last_step = self._not_staged
+            self._not_staged = None
 
     def flush(self) -> None:
         """Waits until every snapshot taken is on disk; raises the first failure."""

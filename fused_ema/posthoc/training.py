@@ -124,6 +124,7 @@ class PostHocEma(TrackSet):
         # update_after_step + 1), while it is known without reading a device.
         fresh = self._tracks[0]._schedule.value() == 0
         self._t = -self._update_after_step if fresh else None
+        self._rollbacks = getattr(self._tracks[0]._schedule, "rollbacks", 0)
 
     # ------------------------------------------------------------------ the EMAs
 
@@ -190,6 +191,10 @@ class PostHocEma(TrackSet):
         leader, snapshots = self._tracks[0], self._snapshots
         snapshots.wait_staged()
         snapshots.raise_failure()
+        rollbacks = getattr(leader._schedule, "rollbacks", 0)
+        if rollbacks != self._rollbacks:  # an update undone since (a failed non_blocking one,
+            # raised by any call): the count is read from the counter again
+            self.__dict__["_t"], self.__dict__["_rollbacks"] = None, rollbacks
         t = None  # the update count after this update, when known without reading a device
         if step is None and self._t is not None:
             t = self._t + 1
