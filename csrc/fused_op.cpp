@@ -241,7 +241,7 @@ FusedWeights checked_weights(FusedKind kind, const at::Tensor& weights, bool rea
   TORCH_CHECK_VALUE(weights.defined(), op, name, " is an undefined tensor");
   if (one) {
     TORCH_CHECK_VALUE(weights.numel() == 1 && weights.dim() <= 1, op,
-                      "a tensor weight must hold one element (a 0-dim tensor), got shape ",
+                      "a tensor weight must hold one element (0-dim or 1-D), got shape ",
                       weights.sizes());
   } else {
     const bool bema = kind == FusedKind::kBema;
@@ -299,7 +299,7 @@ FusedCall stochastic_call(FusedKind kind, size_t tensors, const at::Tensor& weig
   const char* op = text(kind).op;
   TORCH_CHECK_VALUE(step.defined(), op, "step is an undefined tensor");
   TORCH_CHECK_VALUE(step.numel() == 1 && step.dim() <= 1 && step.scalar_type() == at::kLong, op,
-                    "step must be one int64 element (a 0-dim tensor), got ",
+                    "step must be one int64 element (0-dim or 1-D), got ",
                     dtype_name(step.scalar_type()), " of shape ", step.sizes());
   check_storage(step, op, "step");
   const bool on_host = step.is_cpu() && read;
