@@ -128,7 +128,9 @@ class Binding:
         it goes into `undos` (nothing when the current plan fits). `trusted`: the prepared update
         checks what the tensors hold, so the plan need only hold the same objects."""
         plan = self.plan
-        converted = [] if plan is None else plan.converted(self.table)
+        # (trusted: the prepared update's own check declines a converted EMA tensor, and the
+        # update comes back here untrusted)
+        converted = [] if plan is None or trusted else plan.converted(self.table)
         if converted:
             raise NamedError(
                 f"fused_ema: EMA tensors converted behind the EMA's back: {', '.join(converted)} "
