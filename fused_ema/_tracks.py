@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 from ._state.ema_state import META_KEY, commit_loads
+from ._state.placement import MovedByTo
 from .checkpoint import LoadResult, is_value, read_source
 from .ema import ModelEma
 from .errors import CheckpointError
 
 
-class TrackSet(nn.Module):
+class TrackSet(MovedByTo, nn.Module):
     FORMAT = ""
     FORMAT_VERSION = 1
     LEGACY_FORMATS: tuple[str, ...] = ()  # older "format" values a checkpoint may carry
@@ -71,30 +72,6 @@ class TrackSet(nn.Module):
         for track in self._tracks:
             track._to(*args, **kwargs)
         return self
-
-    # nn.Module's conversions go through _apply, which leaves the tracks where they are.
-    def cpu(self):
-        return self.to("cpu")
-
-    def cuda(self, device=None):
-        if not isinstance(device, (str, torch.device)):
-            device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-        return self.to(device)
-
-    def half(self):
-        return self.to(torch.float16)
-
-    def bfloat16(self):
-        return self.to(torch.bfloat16)
-
-    def float(self):
-        return self.to(torch.float32)
-
-    def double(self):
-        return self.to(torch.float64)
-
-    def _apply(self, fn, recurse=True):
-        return self  # as ModelEma: a parent's .to() leaves the EMAs where they were asked to be
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Every track's state_dict and the header. A parent module's state_dict() gets flat keys:

@@ -124,8 +124,7 @@ def parse_checkpoint(state, known=None) -> ParsedCheckpoint:
     """Recognises the format of `state` and extracts weights, step and schedule from it; `known`,
     the EMA's names, when given, decides between a model state dict's names with and without a
     prefix that every key carries."""
-    state = own_state(state)
-    if not isinstance(state, Mapping):
+    if not isinstance(state, Mapping):  # (own_state() unwrapped a training checkpoint's own)
         return ParsedCheckpoint(
             "unknown", problems=[f"expected a dict (a state_dict), got {type(state).__name__}"]
         )

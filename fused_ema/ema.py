@@ -17,7 +17,7 @@ from ._model.swap import check_writable, copy_all
 from ._model.walk import unwrap_model
 from ._state.ema_state import EmaState, rounding_seed
 from ._state.options import resolve_options
-from ._state.placement import move, parse_to
+from ._state.placement import MovedByTo, move, parse_to
 from ._state.stats import ema_stats
 from ._state.timm_attributes import TimmAttributes
 from ._update import compiled
@@ -30,7 +30,7 @@ from .checkpoint import LoadResult
 __all__ = ["LoadResult", "ModelEma"]
 
 
-class ModelEma(TimmAttributes, nn.Module):
+class ModelEma(TimmAttributes, MovedByTo, nn.Module):
     """Exponential moving average of a model's parameters and buffers.
 
     The arguments up to ``exclude_buffers`` are timm ModelEmaV3's (1.0.31), in its order; the
@@ -280,61 +280,10 @@ class ModelEma(TimmAttributes, nn.Module):
             move(self, self._binding, self._schedule, device, dtype, non_blocking)
         return self
 
-    def cuda(self, device: int | torch.device | None = None) -> ModelEma:
-        return self._to_backend("cuda", torch.cuda.current_device() if device is None else device)
-
-    # nn.Module's xpu(), mtia() and ipu() go through _apply, which keeps the EMA where it is.
-    def xpu(self, device: int | torch.device | None = None) -> ModelEma:
-        return self._to_backend("xpu", device)
-
-    def mtia(self, device: int | torch.device | None = None) -> ModelEma:
-        return self._to_backend("mtia", device)
-
-    def ipu(self, device: int | torch.device | None = None) -> ModelEma:
-        return self._to_backend("ipu", device)
-
-    def _to_backend(self, kind: str, device) -> ModelEma:
-        """ema.cuda(1), ema.xpu(): the EMA to that backend's device (an index or a device)."""
-        return self.to(
-            device if isinstance(device, (torch.device, str)) else torch.device(kind, device)
-        )
-
-    def to_empty(self, *, device, recurse: bool = True) -> ModelEma:
-        raise RuntimeError(
-            "ema.to_empty() would drop the average (its tensors would be left uninitialised); "
-            "ema.to(device) moves the EMA with its values"
-        )
-
-    def cpu(self) -> ModelEma:
-        return self.to("cpu")
-
-    def half(self) -> ModelEma:
-        return self.to(torch.float16)
-
-    def bfloat16(self) -> ModelEma:
-        return self.to(torch.bfloat16)
-
-    def float(self) -> ModelEma:
-        return self.to(torch.float32)
-
-    def double(self) -> ModelEma:
-        return self.to(torch.float64)
-
-    def type(self, dst_type) -> ModelEma:
-        if not isinstance(dst_type, torch.dtype):  # nn.Module's also takes tensor type names
-            raise TypeError(f"ema.type() takes a torch.dtype, as ema.to(), got {dst_type!r}")
-        return self.to(dst_type)
-
     def share_memory(self) -> ModelEma:
         """Moves the EMA's CPU tensors (ema.module's) to shared memory, for torch.multiprocessing
         (nn.Module's went through _apply, which leaves the EMA as it is)."""
         self.module.share_memory()
-        return self
-
-    def _apply(self, fn, recurse=True) -> ModelEma:
-        # A parent module's .to() / .cuda() / .half() reaches its children through _apply: the
-        # EMA keeps its own device= and dtype= (device=None follows the model at its next
-        # update); only ema.to() and friends move it.
         return self
 
     def _refuse_in_set(self, what: str, why: str) -> None:

@@ -94,3 +94,57 @@ def move(ema, binding, schedule, device, dtype, non_blocking: bool = False) -> N
         binding.plan = None  # rebuilt for the moved tensors at the next update
 
     finish_all([swap_in])  # an interrupt landing in it lets it finish (it is idempotent)
+
+
+class MovedByTo:
+    """nn.Module's conversions for a module whose tensors move only by its own to() (ModelEma,
+    and a PostHocEma's or Bema's set of them): nn.Module's go through _apply, which a parent's
+    .to() / .cuda() / .half() also reaches, and which leaves the EMA where it was asked to be
+    (device=None follows the model at its next update)."""
+
+    def cuda(self, device: int | torch.device | None = None):
+        return self._to_backend("cuda", torch.cuda.current_device() if device is None else device)
+
+    def xpu(self, device: int | torch.device | None = None):
+        return self._to_backend("xpu", device)
+
+    def mtia(self, device: int | torch.device | None = None):
+        return self._to_backend("mtia", device)
+
+    def ipu(self, device: int | torch.device | None = None):
+        return self._to_backend("ipu", device)
+
+    def _to_backend(self, kind: str, device):
+        """.cuda(1), .xpu(): to that backend's device (an index or a device)."""
+        return self.to(
+            device if isinstance(device, (torch.device, str)) else torch.device(kind, device)
+        )
+
+    def to_empty(self, *, device, recurse: bool = True):
+        raise RuntimeError(
+            "ema.to_empty() would drop the average (its tensors would be left uninitialised); "
+            "ema.to(device) moves the EMA with its values"
+        )
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def half(self):
+        return self.to(torch.float16)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def double(self):
+        return self.to(torch.float64)
+
+    def type(self, dst_type):
+        if not isinstance(dst_type, torch.dtype):  # nn.Module's also takes tensor type names
+            raise TypeError(f"ema.type() takes a torch.dtype, as ema.to(), got {dst_type!r}")
+        return self.to(dst_type)
+
+    def _apply(self, fn, recurse=True):
+        return self
