@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from ._model.swap import finish_all
 from ._state.ema_state import META_KEY, commit_loads
 from ._state.placement import MovedByTo
 from .checkpoint import LoadResult, is_value, read_source
@@ -64,9 +65,16 @@ class TrackSet(MovedByTo, nn.Module):
         self._tracks[0].synchronize()
 
     def resync(self, model: nn.Module) -> None:
-        """ModelEma.resync for every track."""
-        for track in self._tracks:
-            track.resync(model)
+        """ModelEma.resync for every track, all or none: a track that cannot follow the model
+        (or an interrupt) puts back those that did."""
+        undos: list = []
+        with self._tracks[0]._updater.exclusive(f"{type(self).__name__}.resync()"):
+            try:
+                for track in self._tracks:
+                    track._resync(model, undos)
+            except BaseException:
+                finish_all(list(reversed(undos)))
+                raise
 
     def to(self, *args, **kwargs):
         for track in self._tracks:

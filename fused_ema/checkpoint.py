@@ -400,20 +400,23 @@ def _storage_problem(name: str, tensor: torch.Tensor) -> str | None:
 
 def _range_problem(name: str, tensor: torch.Tensor, ema: torch.Tensor) -> str | None:
     """Values that the EMA's dtype cannot hold: integers the copy would wrap, finite floats it
-    would make infinite (float32 past 65504 into a float16 EMA)."""
-    if tensor.dtype == ema.dtype or tensor.numel() == 0 or ema.is_complex():
+    would make infinite (float32 past 65504 into a float16 EMA; a complex one's parts alike)."""
+    if tensor.dtype == ema.dtype or tensor.numel() == 0:
         return None
-    if ema.is_floating_point():
-        if torch.finfo(ema.dtype).max >= torch.finfo(tensor.dtype).max:
+    if ema.is_floating_point() or ema.is_complex():
+        part = ema.dtype.to_real()  # a complex number's real and imaginary parts
+        if torch.finfo(part).max >= torch.finfo(tensor.dtype.to_real()).max:
             return None
         values = tensor.detach()
-        overflow = torch.isinf(values.to(ema.dtype)) & torch.isfinite(values)
+        values = torch.view_as_real(values) if values.is_complex() else values
+        overflow = torch.isinf(values.to(part)) & torch.isfinite(values)
         if not overflow.any():
             return None
         most = values[overflow].abs().max().item()
         return (
             f"{name}: values up to {most:g} in magnitude do not fit the EMA's {ema.dtype} (largest "
-            f"{torch.finfo(ema.dtype).max:g}): they would become infinite"
+            f"{torch.finfo(part).max:g}{' a part' if ema.is_complex() else ''}): they would "
+            "become infinite"
         )
     if ema.dtype == torch.bool:
         low, high = 0, 1

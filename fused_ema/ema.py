@@ -226,10 +226,15 @@ class ModelEma(TimmAttributes, MovedByTo, nn.Module):
         """Follows the model's current tensors: each keeps its average under its current names
         (matched by identity, then by name and shape), new or reshaped ones start from the model,
         removed ones go."""
+        self._refuse_in_set("resync", "update")
+        self._resync(model)
+
+    def _resync(self, model: nn.Module, undos: list | None = None) -> None:
+        """resync() itself; a set's resync() runs it on every track, with their `undos`."""
         self._ready("resync")
         self._state.warn_precision()
         with self._updater.exclusive("ema.resync()"):
-            self._binding.resync(self, unwrap_model(model), self._schedule)
+            self._binding.resync(self, unwrap_model(model), self._schedule, undos)
 
     def set(self, model: nn.Module) -> None:
         """timm ModelEmaV3.set: copies the model's current weights into the EMA (cast to its

@@ -627,6 +627,15 @@ def test_a_complex_buffer_is_copied_and_loads_from_every_layout():
     state = ema.state_dict()
     state["weights"]["lin.bias"] = torch.randn(3, dtype=torch.complex64)
     rejected(ema, state, "lin.bias: dtype torch.complex64 cannot be stored")
+    # complex128 parts past float32's range would turn infinite in the complex64 buffer
+    for big in (complex(1e39, 0.5), complex(0.5, -1e300)):
+        state = ema.state_dict()
+        state["weights"]["freqs"] = torch.randn(4, dtype=torch.complex128)
+        state["weights"]["freqs"][2] = big
+        rejected(ema, state, "freqs: values up to", "torch.complex64", "infinite")
+    state["weights"]["freqs"][2] = complex(3e38, -3e38)  # in range: loads
+    ema.load_state_dict(state)
+    assert torch.equal(ema.module.freqs, state["weights"]["freqs"].to(torch.complex64))
 
 
 def test_numpy_steps_that_are_not_one_integer_are_refused_by_name():

@@ -413,14 +413,18 @@ def test_a_model_tensor_sharing_the_emas_memory_is_named_and_changes_nothing(nam
 def test_the_emas_own_module_passed_as_the_model_is_named():
     """ema.update(ema.module), and an EMA tensor put into the model as a new Parameter, raised a
     StructureMismatchError ("replaced by a new tensor") whose advice, resync(), then bound the
-    EMA to its own tensors."""
+    EMA to its own tensors; resync() itself did so too."""
     model, ema = moved_ema()
     before = state_of(ema)
     with pytest.raises(ValueError, match=r"the model's 0.weight shares memory with the EMA's 0.w"):
         ema.update(ema.module)
+    with pytest.raises(ValueError, match=r"the model's 0.weight shares memory with the EMA's 0.w"):
+        ema.resync(ema.module)  # would bind the EMA to its own tensors for good
     model[0].weight = nn.Parameter(ema.module[0].weight.detach())
     with pytest.raises(ValueError, match=r"the model's 0.weight shares memory with the EMA's 0.w"):
         ema.update(model)
+    with pytest.raises(ValueError, match=r"the model's 0.weight shares memory with the EMA's 0.w"):
+        ema.resync(model)
     assert_same_state(ema, before)
 
 

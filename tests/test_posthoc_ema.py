@@ -595,6 +595,9 @@ def test_save_snapshot_reports_the_failed_write_of_its_step(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="disk full"):
         ph.save_snapshot()
     assert ph.state_dict()["snapshot_index"] == 1
+    # a snapshot is all its EMAs' files or none: ema0's, written before ema1's failed, is gone
+    # (synthesis would have read it as one EMA's profile at a step the other lacks)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     ph.close()
 
 

@@ -6,7 +6,13 @@ import copy
 
 import pytest
 import torch
-from interrupts import InterruptAt, InterruptAtLine, ignore_dropped, interrupted_updates
+from interrupts import (
+    InterruptAt,
+    InterruptAtLine,
+    ignore_dropped,
+    interrupted_everywhere,
+    interrupted_updates,
+)
 from torch import nn
 
 from fused_ema import Bema
@@ -151,3 +157,39 @@ def test_an_interrupt_anywhere_in_a_snapshot_update_leaves_the_folder_of_an_unin
         if not fired:
             break
     assert n > 50
+
+
+@ignore_dropped
+@pytest.mark.parametrize("point", [InterruptAt, InterruptAtLine], ids=["call", "line"])
+@pytest.mark.parametrize("kind", ["posthoc", "bema"])
+def test_an_interrupt_anywhere_in_a_resync_moves_every_track_or_none(kind, point):
+    model, base = model_and_tracked(kind)
+    model.append(nn.Linear(3, 2).double())  # a structure the tracks do not have yet
+    names = lambda t: [sorted(track.state_dict()["weights"]) for track in t._tracks]  # noqa: E731
+    before = names(base)
+    current, outcomes = [copy.deepcopy(base)], set()
+
+    def after_each(interrupted):
+        now = names(current[0])
+        assert all(n == now[0] for n in now), "the tracks went apart"
+        outcomes.add(now != before)
+        if now != before:  # it went through: each track now averages the new layer too
+            current[0].update(model)
+            assert {t.step for t in current[0]._tracks} == {4}
+        current[0] = copy.deepcopy(base)
+
+    fired = interrupted_everywhere(lambda: current[0].resync(model), after_each, point=point)
+    assert outcomes == {False, True} and len(fired) > 5, (outcomes, len(fired))
+
+
+@pytest.mark.parametrize("kind", ["posthoc", "bema"])
+def test_a_track_resyncs_only_with_its_set(kind):
+    model, tracked = model_and_tracked(kind)
+    model.append(nn.Linear(3, 2).double())
+    before = tracks_of(tracked)
+    with pytest.raises(RuntimeError, match="tracks: they update together"):
+        tracked._tracks[1].resync(model)
+    for (step, weights), (step_before, weights_before) in zip(tracks_of(tracked), before):
+        assert step == step_before and weights.keys() == weights_before.keys()
+    tracked.resync(model)
+    assert all("3.weight" in weights for _, weights in tracks_of(tracked))

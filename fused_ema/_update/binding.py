@@ -157,9 +157,12 @@ class Binding:
             table = self._followed(tracked)
         return self.adopt(ema, model, table, tracked, schedule, (walk, names), snapshot, undos)
 
-    def resync(self, ema, model: nn.Module, schedule) -> None:
+    def resync(self, ema, model: nn.Module, schedule, undos=None) -> None:
         tracked = self.tracked(model)
-        self.adopt(ema, model, self._followed(tracked), tracked, schedule)
+        shared = shared_with_ema(self.table.entries, [(t.name, t.tensor) for t in tracked])
+        if shared:  # ema.resync(ema.module) would make the EMA average itself
+            raise NamedError(f"fused_ema: {', '.join(shared)}; nothing was changed")
+        self.adopt(ema, model, self._followed(tracked), tracked, schedule, undos=undos)
 
     def adopt(self, ema, model, table, tracked, schedule, walk=None, snapshot=False, undos=None):
         """Makes `table` the binding's, placed for `model`, with a plan for `walk`; builds

@@ -394,10 +394,14 @@ class Snapshots:
                 raise staging.error
             for event in events:
                 event.synchronize()
+            done: list[Path] = []
             for path, tensors, metadata in host:
                 try:
                     write_snapshot(path, tensors, metadata)
+                    done.append(path)
                 except Exception as err:  # named: the writer's own message names a temporary
+                    for written in done:  # a snapshot is all its EMAs' files or none
+                        written.unlink(missing_ok=True)
                     raise OSError(
                         f"{path} (update count {t}): {type(err).__name__}: {err}"
                     ) from err
