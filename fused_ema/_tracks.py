@@ -11,10 +11,12 @@ import math
 import torch
 from torch import nn
 
+from ._files import read_source
 from ._model.swap import finish_all
 from ._state.ema_state import META_KEY, commit_loads
+from ._state.loading import LoadResult
 from ._state.placement import MovedByTo
-from .checkpoint import LoadResult, is_value, read_source
+from .checkpoint import is_value
 from .ema import ModelEma
 from .errors import CheckpointError
 

@@ -16,6 +16,7 @@ from ._dist.shard import gather_full
 from ._model.swap import check_writable, copy_all
 from ._model.walk import unwrap_model
 from ._state.ema_state import EmaState, rounding_seed
+from ._state.loading import LoadResult
 from ._state.options import resolve_options
 from ._state.placement import MovedByTo, move, parse_to
 from ._state.stats import ema_stats
@@ -25,7 +26,6 @@ from ._update.attach import attach
 from ._update.binding import Binding
 from ._update.schedule import Schedule
 from ._update.updater import Updater
-from .checkpoint import LoadResult
 
 __all__ = ["LoadResult", "ModelEma"]
 

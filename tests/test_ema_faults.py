@@ -148,7 +148,7 @@ def test_a_corrupted_checkpoint_changes_nothing_and_the_ema_keeps_working(kind):
 
 
 def test_running_out_of_memory_while_loading_changes_nothing(monkeypatch):
-    import fused_ema.checkpoint as checkpoint_module
+    import fused_ema._state.loading as checkpoint_module
 
     model, ema = moved_ema(warmup=True)
     sd = copy.deepcopy(ema).state_dict()

@@ -20,6 +20,7 @@ EXTENSION = "fused_ema._C"  # compiled: imports nothing from the package
 # modules are layers of their own, between the private packages they use and those that use them.
 LAYERS = [
     ("errors", "_version"),  # no imports from the package
+    ("_files",),  # reading checkpoint files, atomic_write
     ("_ext",),  # the compiled extension's Python side
     ("_dist",),  # DTensor primitives, ModelEma(shard=...)
     ("ops",),  # public: the fused lerp ops

@@ -13,20 +13,13 @@ from collections.abc import Mapping
 import torch
 
 from .._dist import zero3
+from .._files import read_source
 from .._model.swap import check_resharding, copy_all, finish_all, unaliased
 from .._model.walk import PARAM, named_tensors
 from .._update.schedule import BEMA, POWER_FUNCTION, rounding_from_state
-from ..checkpoint import (
-    FORMAT,
-    FORMAT_VERSION,
-    LoadResult,
-    filter_problems,
-    is_value,
-    own_state,
-    prepare_load,
-    read_source,
-)
+from ..checkpoint import FORMAT, FORMAT_VERSION, is_value, own_state
 from ..errors import CheckpointError, PrecisionWarning
+from .loading import LoadResult, filter_problems, prepare_load
 from .options import BUFFER_MODES
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -14,8 +14,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from .._files import atomic_write
 from ..bema import Bema, check_bema_options
-from ..checkpoint import atomic_write
 from ..ema import ModelEma
 from ._common import hold_ema, whole_state_dict
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import atomic_write
+from .._files import atomic_write
 from .snapshots import EMA_PYTORCH_NAME, NAME, SnapshotError
 from .synthesis import Synthesis, solve_coefficients, synthesize
 

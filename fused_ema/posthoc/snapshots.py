@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .._ext.worker import SNAPSHOTS, Dropped, Job
-from ..checkpoint import atomic_write
+from .._files import atomic_write
 from .profiles import gamma_to_sigma_rel
 
 FORMAT = "fused_ema.posthoc/1"
