@@ -1,6 +1,7 @@
 """The attributes timm's ModelEmaV3 keeps for its constructor arguments (ema.decay, ema.min_decay,
-ema.update_after_step, ema.use_warmup, ...), read from where ModelEma holds them; the schedule's
-can be set, checked like the constructor's, and apply from the next update."""
+ema.update_after_step, ema.use_warmup, ...), read from where ModelEma holds them. decay, min_decay,
+update_after_step and update_every can be set, checked like the constructor's, and apply from the
+next update; the others are read-only (the warmup is chosen when the EMA is built)."""
 
 from __future__ import annotations
 
